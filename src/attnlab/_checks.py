@@ -1,0 +1,157 @@
+"""Input checks shared by the torch functions and layers.
+
+Every check raises ``ValueError`` or ``TypeError`` with one message that names the argument,
+what was expected, what was received, and how to fix it. The checks run before any work is
+done, so bad input never produces a silent NaN or a half-finished result.
+
+Shape legend (used throughout attnlab): ``B`` batch, ``H`` query heads, ``Hkv`` key/value heads,
+``G = H // Hkv``, ``L`` query length, ``S`` key length, ``E`` query/key head dim, ``Ev`` value head
+dim, ``D`` model dim, ``P`` cached length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def check_floating(name: str, tensor: torch.Tensor) -> None:
+    """Raise TypeError unless ``tensor`` is a floating-point ``torch.Tensor``."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor; got {type(tensor).__name__}. "
+            f"Fix: wrap it with torch.as_tensor(...)."
+        )
+    if not tensor.is_floating_point():
+        raise TypeError(
+            f"{name} must be a floating-point tensor; got dtype {tensor.dtype}. "
+            f"Fix: convert it first, e.g. {name}.float() or {name}.to(torch.bfloat16)."
+        )
+
+
+def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Check the (B, H, L, E) / (B, Hkv, S, E) / (B, Hkv, S, Ev) contract of attention inputs.
+
+    Leading dims are optional: 2-D ``(L, E)``, 3-D ``(B, L, E)`` and 4-D ``(B, H, L, E)`` are
+    accepted, but query, key and value must all have the same number of dims.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_floating(name, t)
+    if query.dim() not in (2, 3, 4):
+        raise ValueError(
+            f"query must have 2, 3 or 4 dims (L, E), (B, L, E) or (B, H, L, E); got shape "
+            f"{tuple(query.shape)}. Fix: reshape it to (B, H, L, E)."
+        )
+    for name, t in (("key", key), ("value", value)):
+        if t.dim() != query.dim():
+            raise ValueError(
+                f"{name} must have as many dims as query ({query.dim()}); got shape "
+                f"{tuple(t.shape)} for query {tuple(query.shape)}. "
+                f"Fix: give all three the layout (B, H, L, E) / (B, Hkv, S, E)."
+            )
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(
+            f"query, key and value must share one dtype; got {query.dtype}, {key.dtype}, "
+            f"{value.dtype}. Fix: cast them to the same dtype, e.g. key.to(query.dtype)."
+        )
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(
+            f"query, key and value must be on one device; got {query.device}, {key.device}, "
+            f"{value.device}. Fix: move them with .to(query.device)."
+        )
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"key head dim E must equal query's: expected {query.shape[-1]}, got "
+            f"{key.shape[-1]} (query {tuple(query.shape)}, key {tuple(key.shape)}). "
+            f"Fix: project both to the same width, or use additive attention, whose query and "
+            f"key widths may differ."
+        )
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(
+            f"key and value must have the same length S; got key {tuple(key.shape)} and value "
+            f"{tuple(value.shape)}. Fix: every key needs exactly one value."
+        )
+    if key.shape[:-2] != value.shape[:-2]:
+        raise ValueError(
+            f"key and value must have the same leading dims; got key {tuple(key.shape)} and "
+            f"value {tuple(value.shape)}."
+        )
+    if query.dim() >= 3 and key.shape[0] != query.shape[0]:
+        raise ValueError(
+            f"batch size B must match: query has {query.shape[0]}, key/value have "
+            f"{key.shape[0]} (query {tuple(query.shape)}, key {tuple(key.shape)}). "
+            f"Fix: pass one key/value sequence per query sequence."
+        )
+    if query.dim() == 4:
+        h, hkv = query.shape[1], key.shape[1]
+        if hkv == 0 or h % hkv != 0:
+            raise ValueError(
+                f"key/value heads Hkv must divide query heads H (grouped-query attention: "
+                f"query head h reads kv head h // (H // Hkv)); got H={h}, Hkv={hkv}. "
+                f"Fix: use Hkv in {divisors(h)}."
+            )
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_mask(attn_mask: torch.Tensor, target: tuple[int, ...], name: str = "attn_mask") -> None:
+    """Check that ``attn_mask`` is bool (True = may attend) or float (additive) and broadcasts."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor (bool: True = may attend, or float: additive bias); "
+            f"got {type(attn_mask).__name__}."
+        )
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(
+            f"{name} must be bool (True = may attend) or floating (an additive bias); got dtype "
+            f"{attn_mask.dtype}. Fix: {name}.bool() if 1 means 'may attend' "
+            f"(or {name} == 0 if 1 means 'masked', as in nn.MultiheadAttention's key_padding_mask)."
+        )
+    if attn_mask.dim() > len(target):
+        raise ValueError(
+            f"{name} has more dims than the scores it masks: got shape {tuple(attn_mask.shape)}, "
+            f"scores have shape {target}. Fix: give it at most {len(target)} dims."
+        )
+    try:
+        torch.broadcast_shapes(attn_mask.shape, target)
+    except RuntimeError:
+        raise ValueError(
+            f"{name} of shape {tuple(attn_mask.shape)} does not broadcast to the scores' shape "
+            f"{target} (..., L, S). Fix: give it shape (L, S), (B, 1, L, S), (B, 1, 1, S) or any "
+            f"shape that broadcasts; a key padding mask of shape (B, S) needs [:, None, None, :]."
+        ) from None
+
+
+def check_dropout(dropout_p: float) -> None:
+    if not isinstance(dropout_p, int | float) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(
+            f"dropout_p must be a probability in [0, 1); got {dropout_p!r}. "
+            f"Fix: pass e.g. 0.1, or 0.0 to disable dropout."
+        )
+
+
+def causal_alignment(is_causal: bool | str, query_len: int, key_len: int) -> str | None:
+    """Turn ``is_causal`` into an explicit alignment, or None when not causal.
+
+    ``True`` is accepted only when L == S, where both alignments coincide; when L != S the user
+    must say which one is meant.
+    """
+    if is_causal is False or is_causal is None:
+        return None
+    if is_causal is True:
+        if query_len != key_len:
+            raise ValueError(
+                f"is_causal=True is ambiguous when the query length L={query_len} differs from "
+                f"the key length S={key_len}. Fix: pass is_causal='bottom_right' (queries are "
+                f"the last L positions, as in KV-cache decoding and FlashAttention) or "
+                f"is_causal='top_left' (queries are the first L positions, as torch SDPA)."
+            )
+        return "top_left"
+    if is_causal in CAUSAL_ALIGNMENTS:
+        return is_causal
+    raise ValueError(
+        f"is_causal must be False, True, 'top_left' or 'bottom_right'; got {is_causal!r}."
+    )

@@ -1,0 +1,231 @@
+"""Additive (Bahdanau) attention in bounded memory.
+
+The naive formula broadcasts the projected queries against the projected keys,
+``tanh(W_q q_i + W_k k_j)`` for every pair (i, j): a (B, L, S, A) tensor. At B = 8,
+L = S = 1024, A = 256 that is 2^31 floats -- 8 GiB, twice over with the tanh, and autograd keeps
+it for the backward pass. Yet only the (B, L, S) scores are needed downstream.
+
+Here the (i, j) pairs are visited in blocks of query rows: each block's tanh lives in one reused
+buffer of about ``CHUNK_BYTES`` and is reduced against ``w`` at once. The backward pass recomputes
+each block's tanh instead of storing it (as FlashAttention recomputes its scores), so training
+also runs in bounded memory:
+
+    s_ij = w . t_ij,   t_ij = tanh(a_i + b_j),   a = W_q q + bias,   b = W_k k
+    ds/dw   = sum_ij g_ij t_ij
+    ds/da_i = sum_j  g_ij w * (1 - t_ij^2)
+    ds/db_j = sum_i  g_ij w * (1 - t_ij^2)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab._checks import causal_alignment, check_floating, check_mask
+from attnlab.functional._layout import with_causal
+from attnlab.functional.softmax import LOW_PRECISION, attention
+
+CHUNK_BYTES = 16 * 2**20  # per-block tanh buffer; under glibc's 32 MiB mmap threshold
+
+
+def _rows_per_chunk(t: torch.Tensor, num_keys: int, attn_dim: int, chunk_bytes: int) -> int:
+    return max(1, chunk_bytes // (t.element_size() * max(1, num_keys * attn_dim)))
+
+
+class _AdditiveScores(torch.autograd.Function):
+    """s[n, i, j] = w . tanh(a[n, i] + b[n, j]) without storing the (N, L, S, A) tanh."""
+
+    @staticmethod
+    def forward(ctx, a, b, w, chunk_bytes):  # a (N, L, A), b (N, S, A), w (A,)
+        N, L, A = a.shape
+        S = b.shape[1]
+        rows = _rows_per_chunk(a, S, A, chunk_bytes)
+        scores = a.new_empty(N, L, S)
+        buf = a.new_empty(min(rows, L) * S * A)
+        for n in range(N):
+            for i in range(0, L, rows):
+                r = min(rows, L - i)
+                t = buf[: r * S * A].view(r, S, A)
+                torch.add(a[n, i : i + r, None, :], b[n, None, :, :], out=t)  # (r, S, A)
+                torch.tanh(t, out=t)
+                torch.matmul(t, w, out=scores[n, i : i + r])  # (r, S, A) @ (A,) -> (r, S)
+        ctx.save_for_backward(a, b, w)
+        ctx.chunk_bytes = chunk_bytes
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (N, L, S)
+        a, b, w = ctx.saved_tensors
+        N, L, A = a.shape
+        S = b.shape[1]
+        rows = _rows_per_chunk(a, S, A, ctx.chunk_bytes)
+        grad = grad.contiguous()
+        da, db, dw = torch.empty_like(a), torch.zeros_like(b), torch.zeros_like(w)
+        buf = a.new_empty(min(rows, L) * S * A)
+        for n in range(N):
+            for i in range(0, L, rows):
+                r = min(rows, L - i)
+                g = grad[n, i : i + r]  # (r, S)
+                t = buf[: r * S * A].view(r, S, A)
+                torch.add(a[n, i : i + r, None, :], b[n, None, :, :], out=t)
+                torch.tanh(t, out=t)
+                dw += (g.reshape(1, -1) @ t.view(-1, A)).view(A)  # sum_ij g_ij t_ij
+                t.square_().neg_().add_(1.0).mul_(w).mul_(g[..., None])  # g w (1 - t^2)
+                da[n, i : i + r] = t.sum(1)
+                db[n] += t.sum(0)
+        return da, db, dw, None
+
+
+def additive_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    w_query: torch.Tensor,
+    w_key: torch.Tensor,
+    w_score: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Additive (Bahdanau) scores ``w^T tanh(W_q q + W_k k + b)`` in bounded memory.
+
+    Math:
+        .. math:: s_{ij} = w^\\top \\tanh(W_q q_i + W_k k_j + b)
+
+    Args:
+        query: (..., L, Dq), e.g. the decoder state(s).
+        key: (..., S, Dk), e.g. the encoder states; same leading dims as ``query``.
+        w_query: (A, Dq) -- ``W_q``; A is the attention width.
+        w_key: (A, Dk) -- ``W_k``.
+        w_score: (A,) -- ``w`` (Bahdanau's ``v_a``).
+        bias: optional (A,).
+
+    Memory: the tanh is computed in blocks of query rows in one reused buffer of about
+    ``attnlab.functional.additive.CHUNK_BYTES`` (16 MiB), instead of 4 * B * L * S * A bytes
+    for the naive formula; the backward pass recomputes it block by block.
+
+    Returns:
+        (..., L, S) scores. float16/bfloat16 inputs are computed in float32 and cast back.
+
+    Reference: :func:`attnlab.reference.additive_scores`.
+    """
+    return _scores(query, key, w_query, w_key, w_score, bias).to(query.dtype)
+
+
+def _scores(query, key, w_query, w_key, w_score, bias) -> torch.Tensor:
+    """additive_scores in the compute dtype (float32 for float16/bfloat16 inputs)."""
+    for name, t in (("query", query), ("key", key), ("w_query", w_query), ("w_key", w_key)):
+        check_floating(name, t)
+    check_floating("w_score", w_score)
+    _check_additive_shapes(query, key, w_query, w_key, w_score, bias)
+    dtype = torch.float32 if query.dtype in LOW_PRECISION else query.dtype
+    a = query.to(dtype) @ w_query.to(dtype).T  # (..., L, A)
+    if bias is not None:
+        a = a + bias.to(dtype)
+    b = key.to(dtype) @ w_key.to(dtype).T  # (..., S, A)
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])  # (N, L, A)
+    b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])  # (N, S, A)
+    scores = _AdditiveScores.apply(
+        a3.contiguous(), b3.contiguous(), w_score.to(dtype).contiguous(), CHUNK_BYTES
+    )
+    return scores.view(*lead, a.shape[-2], b.shape[-2])
+
+
+def _check_additive_shapes(query, key, w_query, w_key, w_score, bias) -> None:
+    A = w_score.shape[0] if w_score.dim() == 1 else None
+    problems = []
+    if A is None:
+        problems.append(f"w_score must be (A,), got {tuple(w_score.shape)}")
+    elif w_query.shape != (A, query.shape[-1]):
+        problems.append(
+            f"w_query must be (A, Dq) = ({A}, {query.shape[-1]}), got {tuple(w_query.shape)}"
+        )
+    elif w_key.shape != (A, key.shape[-1]):
+        problems.append(
+            f"w_key must be (A, Dk) = ({A}, {key.shape[-1]}), got {tuple(w_key.shape)}"
+        )
+    elif bias is not None and bias.shape != (A,):
+        problems.append(f"bias must be (A,) = ({A},), got {tuple(bias.shape)}")
+    if query.dim() < 2 or key.dim() != query.dim():
+        problems.append(
+            f"query (..., L, Dq) and key (..., S, Dk) need the same number of dims (>= 2), got "
+            f"{tuple(query.shape)} and {tuple(key.shape)}"
+        )
+    else:
+        try:
+            torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+        except RuntimeError:
+            problems.append(
+                f"query and key leading dims must match, got {tuple(query.shape)} and "
+                f"{tuple(key.shape)}"
+            )
+    if problems:
+        raise ValueError(
+            "additive attention: "
+            + "; ".join(problems)
+            + ". Fix: W_q maps queries (width Dq) and W_k keys (width Dk) to the attention "
+            "width A, and w_score reduces A to one score."
+        )
+
+
+def additive_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    w_query: torch.Tensor,
+    w_key: torch.Tensor,
+    w_score: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    is_causal: bool | str = False,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Additive (Bahdanau) attention: ``softmax(w^T tanh(W_q q + W_k k + b)) V``.
+
+    The (B, L, S, A) tanh tensor of the naive formula is never materialised (see the module
+    docstring): memory is O(B L S) for the scores plus one bounded block, in forward and
+    backward.
+
+    Math:
+        .. math:: s_{ij} = w^\\top \\tanh(W_q q_i + W_k k_j + b), \\quad
+                  \\alpha_i = \\text{masked\\_softmax}(s_i), \\quad
+                  c_i = \\sum_j \\alpha_{ij} v_j
+
+    Args:
+        query: (..., L, Dq).
+        key: (..., S, Dk).
+        value: (..., S, Dv).
+        w_query, w_key, w_score, bias: (A, Dq), (A, Dk), (A,), optional (A,).
+        attn_mask: bool (True = may attend) or additive float, broadcastable to (..., L, S).
+        is_causal: False, True (L == S), "top_left" or "bottom_right".
+        dropout_p: attention dropout probability, applied when > 0.
+        return_weights: also return the (..., L, S) weights.
+
+    Returns:
+        (..., L, Dv) context vectors, and the weights if ``return_weights``.
+
+    References:
+        Bahdanau, Cho, Bengio, "Neural Machine Translation by Jointly Learning to Align and
+        Translate", ICLR 2015. Oracle: :func:`attnlab.reference.additive_attention`.
+
+    Example:
+        >>> q, k = torch.randn(2, 3, 8), torch.randn(2, 5, 6)
+        >>> w_q, w_k, w = torch.randn(16, 8), torch.randn(16, 6), torch.randn(16)
+        >>> additive_attention(q, k, k, w_q, w_k, w).shape
+        torch.Size([2, 3, 6])
+    """
+    check_floating("value", value)
+    if value.shape[-2] != key.shape[-2]:
+        raise ValueError(
+            f"key and value must have the same length S; got key {tuple(key.shape)} and value "
+            f"{tuple(value.shape)}. Fix: every key needs exactly one value."
+        )
+    scores = _scores(query, key, w_query, w_key, w_score, bias)  # (..., L, S)
+    L, S = scores.shape[-2], scores.shape[-1]
+    alignment = causal_alignment(is_causal, L, S)
+    if attn_mask is not None:
+        check_mask(attn_mask, tuple(scores.shape))
+    mask = with_causal(attn_mask, alignment, L, S, scores.device)
+    out = attention(scores, value, mask, dropout_p=dropout_p, return_weights=return_weights)
+    if return_weights:
+        return out[0].to(query.dtype), out[1].to(query.dtype)
+    return out.to(query.dtype)

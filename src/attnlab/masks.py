@@ -1,0 +1,292 @@
+"""Attention masks: one polarity everywhere.
+
+* A **bool** mask means **True = may attend**. Position ``[..., i, j]`` says whether query ``i``
+  may look at key ``j``.
+* A **float** mask is an **additive bias** added to the scores before the softmax (``-inf``
+  forbids a position; ``0`` leaves it alone).
+
+Masks broadcast against the scores of shape ``(B, H, L, S)``: ``(L, S)`` for a pattern shared by
+the whole batch, ``(B, 1, 1, S)`` for key padding, ``(B, 1, L, S)`` for both.
+
+Causal alignment when ``L != S`` must be chosen explicitly::
+
+    top_left (L=3, S=5)          bottom_right (L=3, S=5)
+    query i sees keys j <= i     query i sees keys j <= i + (S - L)
+      ■ · · · ·                    ■ ■ ■ · ·
+      ■ ■ · · ·                    ■ ■ ■ ■ ·
+      ■ ■ ■ · ·                    ■ ■ ■ ■ ■
+
+``top_left`` is torch SDPA's ``is_causal``; ``bottom_right`` is FlashAttention's and is what
+incremental decoding needs: the L new queries are the *last* L positions of the S keys (the
+P = S - L cached ones come first). When L == S both are the usual lower triangle.
+
+Every builder returns a :class:`Mask`, a plain bool ``torch.Tensor`` that prints as a picture.
+It can be passed anywhere a bool tensor is accepted (attnlab, ``torch`` SDPA, NumPy via
+``.numpy()``); operations on it return ordinary tensors.
+
+Example:
+    >>> from attnlab import masks
+    >>> print(masks.causal_mask(3, 5, alignment="bottom_right"))
+    Mask (3, 5), True = may attend (■), False = masked (·)
+      ■ ■ ■ · ·
+      ■ ■ ■ ■ ·
+      ■ ■ ■ ■ ■
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from attnlab._checks import CAUSAL_ALIGNMENTS
+
+__all__ = [
+    "Mask",
+    "and_masks",
+    "causal_mask",
+    "expand_key_padding",
+    "or_masks",
+    "padding_mask",
+    "show",
+    "sliding_window_mask",
+    "to_additive",
+    "to_bool",
+]
+
+ATTEND, MASKED = "■", "·"
+
+
+class Mask(torch.Tensor):
+    """A bool tensor (True = may attend) whose ``repr`` is an ASCII picture.
+
+    Any torch operation on a ``Mask`` returns a plain ``torch.Tensor``, so the subclass never
+    leaks into computations.
+    """
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor) -> Mask:
+        if data.dtype != torch.bool:
+            raise TypeError(f"Mask holds a bool tensor; got dtype {data.dtype}.")
+        return torch.Tensor._make_subclass(cls, data, False)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # noqa: ARG002 (torch's signature)
+        return show(self)
+
+    __str__ = __repr__
+
+
+def show(mask: torch.Tensor, max_rows: int = 24, max_cols: int = 48) -> str:
+    """Draw a bool mask (or an additive bias: -inf = masked) as text, one picture per (L, S) slice.
+
+    Args:
+        mask: bool tensor of shape (..., L, S), True = may attend; or a float additive bias.
+        max_rows, max_cols: larger masks are cut, with "…" marking the cut.
+    """
+    m = to_bool(mask) if mask.is_floating_point() else mask
+    m = m.as_subclass(torch.Tensor).detach().cpu()
+    if m.dim() < 2:
+        m = m.reshape(1, -1)
+    head = (
+        f"Mask {tuple(m.shape)}, True = may attend ({ATTEND}), False = masked ({MASKED})"
+        if mask.dtype == torch.bool
+        else f"Additive bias {tuple(m.shape)}: finite = may attend ({ATTEND}), -inf ({MASKED})"
+    )
+    lines = [head]
+    slices = m.reshape(-1, m.shape[-2], m.shape[-1])
+    lead = m.shape[:-2]
+    shown = min(len(slices), 4)
+    for n in range(shown):
+        if lead:
+            idx = torch.unravel_index(torch.tensor(n), lead)
+            lines.append("  [" + ", ".join(str(int(i)) for i in idx) + ", :, :]")
+        for row in slices[n][:max_rows]:
+            cells = " ".join(ATTEND if x else MASKED for x in row[:max_cols].tolist())
+            lines.append("  " + cells + (" …" if m.shape[-1] > max_cols else ""))
+        if m.shape[-2] > max_rows:
+            lines.append("  …")
+    if len(slices) > shown:
+        lines.append(f"  … ({len(slices) - shown} more slices)")
+    return "\n".join(lines)
+
+
+def _positions(query_length: int, key_length: int | None, alignment: str | None, device):
+    """Absolute positions of the queries and keys on one time axis, per the causal alignment."""
+    if key_length is None:
+        key_length = query_length
+    if query_length < 0 or key_length < 0:
+        raise ValueError(f"lengths must be >= 0; got L={query_length}, S={key_length}.")
+    if alignment is None:
+        if query_length != key_length:
+            raise ValueError(
+                f"alignment must be given when the query length L={query_length} differs from "
+                f"the key length S={key_length}. Fix: alignment='bottom_right' (queries are the "
+                f"last L positions, as in KV-cache decoding) or 'top_left' (the first L, as "
+                f"torch SDPA's is_causal)."
+            )
+        alignment = "top_left"
+    if alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(
+            f"alignment must be 'top_left' or 'bottom_right'; got {alignment!r}."
+        )
+    offset = key_length - query_length if alignment == "bottom_right" else 0
+    q_pos = torch.arange(query_length, device=device) + offset  # (L,)
+    k_pos = torch.arange(key_length, device=device)  # (S,)
+    return q_pos[:, None], k_pos[None, :]
+
+
+def causal_mask(
+    query_length: int,
+    key_length: int | None = None,
+    *,
+    alignment: str | None = None,
+    device: torch.device | str | None = None,
+) -> Mask:
+    """Causal mask of shape (L, S): query ``i`` may attend key ``j`` iff ``j <= i + offset``.
+
+    ``offset`` is 0 for ``alignment="top_left"`` and ``S - L`` for ``"bottom_right"`` (see the
+    module docstring for the picture). ``alignment`` is required when L != S. With
+    ``bottom_right`` and L > S the first ``L - S`` queries see no key at all: attnlab gives such
+    fully masked rows weight 0 and output 0.
+    """
+    q_pos, k_pos = _positions(query_length, key_length, alignment, device)
+    return Mask(k_pos <= q_pos)
+
+
+def sliding_window_mask(
+    query_length: int,
+    key_length: int | None = None,
+    *,
+    window: int,
+    alignment: str | None = None,
+    causal: bool = True,
+    device: torch.device | str | None = None,
+) -> Mask:
+    """Local attention: each query sees only keys within ``window`` positions, shape (L, S).
+
+    With ``causal=True`` query ``i`` (at position ``p``) sees keys ``p - window < j <= p``: itself
+    and the ``window - 1`` before it (Mistral/Gemma-style sliding window). With ``causal=False``
+    it sees ``|j - p| < window``. Positions follow ``alignment`` as in :func:`causal_mask`.
+
+    window=3, causal, L = S = 5::
+
+        ■ · · · ·
+        ■ ■ · · ·
+        ■ ■ ■ · ·
+        · ■ ■ ■ ·
+        · · ■ ■ ■
+    """
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1 (keys seen per query); got {window!r}.")
+    q_pos, k_pos = _positions(query_length, key_length, alignment, device)
+    distance = q_pos - k_pos  # (L, S): how far key j lies behind query i
+    keep = (distance < window) & (distance > -window)
+    if causal:
+        keep &= distance >= 0
+    return Mask(keep)
+
+
+def padding_mask(
+    lengths: torch.Tensor | Sequence[int],
+    max_length: int | None = None,
+    *,
+    side: str = "right",
+    device: torch.device | str | None = None,
+) -> Mask:
+    """Key padding mask from sequence lengths, shape (B, 1, 1, S): True marks a real token.
+
+    Args:
+        lengths: (B,) number of real tokens per sequence.
+        max_length: S; defaults to ``max(lengths)``.
+        side: ``"right"`` when padding follows the tokens (encoders, training batches),
+            ``"left"`` when it precedes them (batched generation prompts).
+
+    It broadcasts against scores (B, H, L, S); combine it with a causal mask by
+    :func:`and_masks`.
+    """
+    lengths = torch.as_tensor(lengths, device=device)
+    if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
+        raise ValueError(
+            f"lengths must be a 1-D sequence of ints (B,); got {tuple(lengths.shape)} "
+            f"{lengths.dtype}."
+        )
+    if side not in ("right", "left"):
+        raise ValueError(f"side must be 'right' or 'left'; got {side!r}.")
+    longest = int(lengths.max()) if len(lengths) else 0
+    if max_length is None:
+        max_length = longest
+    if (lengths < 0).any() or longest > max_length:
+        raise ValueError(
+            f"lengths must lie in [0, max_length={max_length}]; got {lengths.tolist()}."
+        )
+    pos = torch.arange(max_length, device=lengths.device)  # (S,)
+    if side == "right":
+        keep = pos[None, :] < lengths[:, None]  # (B, S)
+    else:
+        keep = pos[None, :] >= (max_length - lengths)[:, None]
+    return Mask(keep[:, None, None, :])
+
+
+def expand_key_padding(key_padding_mask: torch.Tensor) -> Mask:
+    """(B, S) bool key padding mask (True = real token) -> (B, 1, 1, S) attention mask.
+
+    Note: ``torch.nn.MultiheadAttention``'s ``key_padding_mask`` uses the opposite meaning
+    (True = ignore); convert it with ``~key_padding_mask`` first.
+    """
+    if key_padding_mask.dtype != torch.bool or key_padding_mask.dim() != 2:
+        raise TypeError(
+            f"key_padding_mask must be a (B, S) bool tensor with True = real token; got "
+            f"{tuple(key_padding_mask.shape)} {key_padding_mask.dtype}. Fix: lengths can be "
+            f"turned into one with attnlab.masks.padding_mask(lengths)."
+        )
+    return Mask(key_padding_mask.as_subclass(torch.Tensor)[:, None, None, :])
+
+
+def _combine(op, masks: tuple[torch.Tensor, ...], name: str) -> Mask:
+    if not masks:
+        raise ValueError(f"{name} needs at least one mask.")
+    for i, m in enumerate(masks):
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+            raise TypeError(
+                f"{name}: mask {i} must be a bool tensor (True = may attend); got "
+                f"{getattr(m, 'dtype', type(m).__name__)}. Fix: convert an additive bias with "
+                f"attnlab.masks.to_bool."
+            )
+    out = masks[0].as_subclass(torch.Tensor)
+    for m in masks[1:]:
+        out = op(out, m.as_subclass(torch.Tensor))
+    return Mask(out)
+
+
+def and_masks(*masks: torch.Tensor) -> Mask:
+    """A position may be attended iff every mask allows it (broadcasting shapes)."""
+    return _combine(torch.logical_and, masks, "and_masks")
+
+
+def or_masks(*masks: torch.Tensor) -> Mask:
+    """A position may be attended iff at least one mask allows it (broadcasting shapes)."""
+    return _combine(torch.logical_or, masks, "or_masks")
+
+
+def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Bool mask (True = may attend) -> additive bias: 0 where allowed, ``-inf`` where not.
+
+    attnlab uses ``-inf`` rather than a large negative constant such as ``-1e9``: masked weights
+    come out exactly 0, and fully masked rows are detected and given weight 0.
+    """
+    if mask.dtype != torch.bool:
+        raise TypeError(f"to_additive expects a bool mask; got {mask.dtype}.")
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill_(~mask.as_subclass(torch.Tensor), float("-inf"))
+
+
+def to_bool(bias: torch.Tensor) -> Mask:
+    """Additive bias -> bool mask: True wherever the bias is not ``-inf``."""
+    if not bias.is_floating_point():
+        raise TypeError(f"to_bool expects a floating additive bias; got {bias.dtype}.")
+    return Mask(bias.as_subclass(torch.Tensor) > float("-inf"))

@@ -1,0 +1,213 @@
+"""Every attention mechanism of attnlab in plain NumPy, float64: the specification.
+
+Read this file to learn what each mechanism computes; the torch functions in
+:mod:`attnlab.functional` are tested against it. Each function has the same name and signature
+as its torch twin. Nothing here imports torch, and nothing is optimised: one line per idea.
+
+Shape legend: B batch, H query heads, Hkv key/value heads (G = H // Hkv), L queries, S keys,
+E query/key width, Ev value width, A additive-attention width. Leading [B, H] dims are optional.
+Masks: bool True = may attend; a float mask is an additive bias (-inf = masked).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attnlab.reference.masks import causal_mask
+
+
+def _f64(x):
+    return None if x is None else np.asarray(x, dtype=np.float64)
+
+
+def _apply_mask(scores, mask):
+    # [..., L, S] scores; bool mask -> -inf where False; float mask -> added
+    if mask is None:
+        return scores
+    mask = np.asarray(mask)
+    if mask.dtype == bool:
+        return np.where(mask, scores, -np.inf)
+    return scores + mask.astype(np.float64)
+
+
+def masked_softmax(scores, mask=None, dim=-1):
+    # [..., L, S], mask broadcastable -> [..., L, S]
+    # Masked keys get weight 0; a row with no attendable key gets weight 0 everywhere.
+    x = np.moveaxis(_apply_mask(_f64(scores), mask), dim, -1)
+    alive = (x > -np.inf).any(axis=-1, keepdims=True)  # does the row see any key?
+    shift = np.where(alive, x.max(axis=-1, keepdims=True), 0.0)  # for exp's sake only
+    e = np.exp(x - shift)  # exp(-inf) = 0 for masked keys
+    total = e.sum(axis=-1, keepdims=True)
+    weights = np.where(alive, e / np.where(alive, total, 1.0), 0.0)
+    return np.moveaxis(weights, -1, dim)
+
+
+def _repeat_kv(x, query_heads):
+    # [B, Hkv, S, E] -> [B, H, S, E]: kv head j serves query heads j*G .. j*G + G-1
+    if x.ndim < 4:
+        return x
+    return np.repeat(x, query_heads // x.shape[-3], axis=-3)
+
+
+def _dropout(weights, dropout_p):
+    if dropout_p == 0:
+        return weights
+    keep = np.random.default_rng().random(weights.shape) >= dropout_p
+    return np.where(keep, weights / (1.0 - dropout_p), 0.0)
+
+
+def attention(scores, value, attn_mask=None, *, dropout_p=0.0, return_weights=False):
+    # [..., H, L, S], [..., Hkv, S, Ev] -> [..., H, L, Ev] (and weights [..., H, L, S])
+    weights = _dropout(masked_softmax(scores, attn_mask), dropout_p)
+    value = _repeat_kv(_f64(value), weights.shape[-3] if weights.ndim == 4 else 1)
+    out = weights @ value
+    return (out, weights) if return_weights else out
+
+
+def dot_product_scores(query, key):
+    # [..., H, L, E], [..., Hkv, S, E] -> [..., H, L, S]: s_ij = q_i . k_j
+    query, key = _f64(query), _f64(key)
+    key = _repeat_kv(key, query.shape[-3] if query.ndim == 4 else 1)
+    return query @ np.swapaxes(key, -1, -2)
+
+
+def scaled_dot_product_scores(query, key, scale=None):
+    # s_ij = q_i . k_j / sqrt(E): keeps the scores' variance at 1 when q, k have unit variance
+    if scale is None:
+        scale = 1.0 / np.sqrt(np.shape(query)[-1])
+    return dot_product_scores(query, key) * scale
+
+
+def general_scores(query, key, weight):
+    # [..., L, Eq], [..., S, Ek], [Eq, Ek] -> [..., L, S]: s_ij = q_i^T W k_j  (Luong)
+    return dot_product_scores(_f64(query) @ _f64(weight), key)
+
+
+def additive_scores(query, key, w_query, w_key, w_score, bias=None):
+    # [..., L, Dq], [..., S, Dk], [A, Dq], [A, Dk], [A] -> [..., L, S]
+    # s_ij = w . tanh(W_q q_i + W_k k_j + b)  (Bahdanau)
+    a = _f64(query) @ _f64(w_query).T  # [..., L, A]
+    if bias is not None:
+        a = a + _f64(bias)
+    b = _f64(key) @ _f64(w_key).T  # [..., S, A]
+    hidden = np.tanh(a[..., :, None, :] + b[..., None, :, :])  # [..., L, S, A]
+    return hidden @ _f64(w_score)  # [..., L, S]
+
+
+def concat_scores(query, key, weight, w_score):
+    # s_ij = w . tanh(W [q_i; k_j])  (Luong "concat") = additive with W = [W_q W_k], no bias
+    query, key, weight = _f64(query), _f64(key), _f64(weight)
+    L, S = query.shape[-2], key.shape[-2]
+    lead = np.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+    q = np.broadcast_to(query[..., :, None, :], (*lead, L, S, query.shape[-1]))
+    k = np.broadcast_to(key[..., None, :, :], (*lead, L, S, key.shape[-1]))
+    pairs = np.concatenate([q, k], axis=-1)  # [..., L, S, Eq + Ek]
+    return np.tanh(pairs @ weight.T) @ _f64(w_score)
+
+
+def _causal(mask, is_causal, L, S):
+    if is_causal is False or is_causal is None:
+        return mask
+    alignment = None if is_causal is True else is_causal
+    causal = causal_mask(L, S, alignment=alignment)  # [L, S]
+    if mask is None:
+        return causal
+    mask = np.asarray(mask)
+    return mask & causal if mask.dtype == bool else np.where(causal, mask, -np.inf)
+
+
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    *,
+    is_causal=False,
+    scale=None,
+    dropout_p=0.0,
+    return_weights=False,
+):
+    # [..., H, L, E], [..., Hkv, S, E], [..., Hkv, S, Ev] -> [..., H, L, Ev]
+    # softmax(Q K^T * scale + M) V, query head h reading kv head h // (H // Hkv)
+    scores = scaled_dot_product_scores(query, key, scale)
+    mask = _causal(attn_mask, is_causal, scores.shape[-2], scores.shape[-1])
+    return attention(scores, value, mask, dropout_p=dropout_p, return_weights=return_weights)
+
+
+def additive_attention(
+    query,
+    key,
+    value,
+    w_query,
+    w_key,
+    w_score,
+    attn_mask=None,
+    *,
+    bias=None,
+    is_causal=False,
+    dropout_p=0.0,
+    return_weights=False,
+):
+    # [..., L, Dq], [..., S, Dk], [..., S, Dv] -> [..., L, Dv]
+    scores = additive_scores(query, key, w_query, w_key, w_score, bias)
+    mask = _causal(attn_mask, is_causal, scores.shape[-2], scores.shape[-1])
+    return attention(scores, value, mask, dropout_p=dropout_p, return_weights=return_weights)
+
+
+def _one_hot_argmax(x):
+    # [..., S] -> one-hot at the first maximum; rows of only -inf -> zeros
+    hard = np.zeros_like(x)
+    np.put_along_axis(hard, x.argmax(axis=-1)[..., None], 1.0, axis=-1)
+    return np.where((x > -np.inf).any(axis=-1, keepdims=True), hard, 0.0)
+
+
+def hard_attention_weights(
+    scores,
+    attn_mask=None,
+    *,
+    mode="argmax",
+    top_k=None,
+    tau=1.0,
+    noise=None,
+    generator=None,
+):
+    # [..., L, S] -> [..., L, S]
+    x = _apply_mask(_f64(scores), attn_mask)
+    if mode == "argmax":  # the best key
+        return _one_hot_argmax(x)
+    if mode == "sample":  # a key drawn from softmax(x): argmax of x + Gumbel noise
+        if noise is None:
+            noise = (generator or np.random.default_rng()).gumbel(size=x.shape)
+        return _one_hot_argmax((x + _f64(noise)) / tau)
+    if mode == "topk":  # softmax over the top_k best keys only
+        best = np.argsort(-x, axis=-1, kind="stable")[..., :top_k]
+        keep = np.zeros(x.shape, dtype=bool)
+        np.put_along_axis(keep, best, True, axis=-1)
+        return masked_softmax(x, keep)
+    raise ValueError(f"mode must be 'argmax', 'sample' or 'topk'; got {mode!r}")
+
+
+def hard_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    *,
+    mode="argmax",
+    top_k=None,
+    tau=1.0,
+    is_causal=False,
+    scale=None,
+    noise=None,
+    generator=None,
+    return_weights=False,
+):
+    # [..., H, L, E], [..., Hkv, S, E], [..., Hkv, S, Ev] -> [..., H, L, Ev]
+    scores = scaled_dot_product_scores(query, key, scale)
+    mask = _causal(attn_mask, is_causal, scores.shape[-2], scores.shape[-1])
+    weights = hard_attention_weights(
+        scores, mask, mode=mode, top_k=top_k, tau=tau, noise=noise, generator=generator
+    )
+    value = _repeat_kv(_f64(value), weights.shape[-3] if weights.ndim == 4 else 1)
+    out = weights @ value
+    return (out, weights) if return_weights else out

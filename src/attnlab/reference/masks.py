@@ -1,0 +1,48 @@
+"""Mask builders in NumPy (True = may attend), the twins of :mod:`attnlab.masks`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _positions(query_length, key_length, alignment):
+    # Queries sit at positions offset..offset+L-1 on the keys' time axis.
+    if key_length is None:
+        key_length = query_length
+    if alignment is None:
+        if query_length != key_length:
+            raise ValueError("alignment must be 'top_left' or 'bottom_right' when L != S")
+        alignment = "top_left"
+    if alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"alignment must be 'top_left' or 'bottom_right'; got {alignment!r}")
+    offset = key_length - query_length if alignment == "bottom_right" else 0
+    q_pos = np.arange(query_length)[:, None] + offset  # [L, 1]
+    k_pos = np.arange(key_length)[None, :]  # [1, S]
+    return q_pos, k_pos
+
+
+def causal_mask(query_length, key_length=None, *, alignment=None):
+    # -> [L, S]: query i may see key j iff j <= i + offset
+    q_pos, k_pos = _positions(query_length, key_length, alignment)
+    return k_pos <= q_pos
+
+
+def sliding_window_mask(query_length, key_length=None, *, window, alignment=None, causal=True):
+    # -> [L, S]: query at position p sees keys p - window < j <= p (or |j - p| < window)
+    q_pos, k_pos = _positions(query_length, key_length, alignment)
+    distance = q_pos - k_pos
+    keep = np.abs(distance) < window
+    return keep & (distance >= 0) if causal else keep
+
+
+def padding_mask(lengths, max_length=None, *, side="right"):
+    # [B] -> [B, 1, 1, S]: True marks a real token
+    lengths = np.asarray(lengths)
+    if max_length is None:
+        max_length = int(lengths.max())
+    pos = np.arange(max_length)[None, :]
+    if side == "right":
+        keep = pos < lengths[:, None]
+    else:
+        keep = pos >= (max_length - lengths)[:, None]
+    return keep[:, None, None, :]
