@@ -131,9 +131,7 @@ def _positions(query_length: int, key_length: int | None, alignment: str | None,
             )
         alignment = "top_left"
     if alignment not in CAUSAL_ALIGNMENTS:
-        raise ValueError(
-            f"alignment must be 'top_left' or 'bottom_right'; got {alignment!r}."
-        )
+        raise ValueError(f"alignment must be 'top_left' or 'bottom_right'; got {alignment!r}.")
     offset = key_length - query_length if alignment == "bottom_right" else 0
     q_pos = torch.arange(query_length, device=device) + offset  # (L,)
     k_pos = torch.arange(key_length, device=device)  # (S,)

@@ -138,9 +138,7 @@ def _check_additive_shapes(query, key, w_query, w_key, w_score, bias) -> None:
             f"w_query must be (A, Dq) = ({A}, {query.shape[-1]}), got {tuple(w_query.shape)}"
         )
     elif w_key.shape != (A, key.shape[-1]):
-        problems.append(
-            f"w_key must be (A, Dk) = ({A}, {key.shape[-1]}), got {tuple(w_key.shape)}"
-        )
+        problems.append(f"w_key must be (A, Dk) = ({A}, {key.shape[-1]}), got {tuple(w_key.shape)}")
     elif bias is not None and bias.shape != (A,):
         problems.append(f"bias must be (A,) = ({A},), got {tuple(bias.shape)}")
     if query.dim() < 2 or key.dim() != query.dim():

@@ -1,0 +1,56 @@
+"""Shared test settings and helpers.
+
+Tolerances: float64 results are compared with the float64 NumPy oracle at 1e-12 (rounding of a
+few dozen operations is ~1e-15). 16-bit results are held to a *control*: the same computation
+done naively in the same dtype; the implementation's error against the oracle may be at most
+twice the control's (the FlashAttention test rule).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "default", deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("ci", parent=settings.get_profile("default"), derandomize=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+F64_ATOL = 1e-12
+
+
+def np64(t):
+    """A tensor (or None) as a float64/bool NumPy array for the oracle."""
+    if t is None:
+        return None
+    t = t.detach().as_subclass(torch.Tensor)
+    return t.numpy() if t.dtype == torch.bool else t.double().numpy()
+
+
+def assert_close_to_oracle(actual: torch.Tensor, expected: np.ndarray, atol=F64_ATOL) -> None:
+    got = actual.detach().double().numpy()
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=atol)
+
+
+def naive_sdpa(q, k, v, mask=None, scale=None):
+    """The control: the textbook formula in the inputs' own dtype, GQA by repeating heads."""
+    if q.dim() == 4 and k.shape[1] != q.shape[1]:
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    s = (q @ k.transpose(-2, -1)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    w = torch.softmax(s, -1).nan_to_num(0.0)
+    return w @ v
+
+
+@pytest.fixture
+def rng():
+    return torch.Generator().manual_seed(1234)

@@ -1,0 +1,96 @@
+"""Attention dropout, and which path scaled_dot_product_attention takes."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import attnlab.functional as AF
+import attnlab.reference as R
+
+F64 = torch.float64
+
+
+def qkv(seed=0, B=2, H=4, Hkv=2, L=6, S=9, E=8):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(B, H, L, E, generator=g, dtype=F64),
+        torch.randn(B, Hkv, S, E, generator=g, dtype=F64),
+        torch.randn(B, Hkv, S, E, generator=g, dtype=F64),
+    )
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_drops_and_rescales(p):
+    q, k, v = qkv()
+    soft = AF.scaled_dot_product_attention(q, k, v, return_weights=True)[1]
+    torch.manual_seed(0)
+    out, w = AF.scaled_dot_product_attention(q, k, v, dropout_p=p, return_weights=True)
+    kept = w != 0
+    torch.testing.assert_close(w[kept], soft[kept] / (1 - p))  # survivors scaled by 1/(1-p)
+    frac = 1 - kept.double().mean().item()
+    n = w.numel()
+    assert abs(frac - p) < 5 * (p * (1 - p) / n) ** 0.5  # drop rate is p
+    G = q.shape[1] // k.shape[1]
+    torch.testing.assert_close(out, w @ v.repeat_interleave(G, 1))  # these weights made out
+
+
+def test_dropout_is_unbiased_and_off_by_default():
+    q, k, v = qkv(L=3, S=5)
+    clean = AF.scaled_dot_product_attention(q, k, v)
+    torch.manual_seed(1)
+    n = 4000
+    mean = sum(AF.scaled_dot_product_attention(q, k, v, dropout_p=0.3) for _ in range(n)) / n
+    # expectation equals the clean output; tolerance: 6 standard errors per element
+    draws = torch.stack(
+        [AF.scaled_dot_product_attention(q, k, v, dropout_p=0.3) for _ in range(200)]
+    )
+    se = draws.std(0) / n**0.5
+    assert torch.all((mean - clean).abs() <= 6 * se + 1e-12)
+    # dropout_p=0 is deterministic and equals the oracle
+    np.testing.assert_allclose(
+        clean.numpy(), R.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy()), atol=1e-12
+    )
+
+
+def test_reference_dropout_property():
+    q, k, v = (t.numpy() for t in qkv())
+    soft = R.scaled_dot_product_attention(q, k, v, return_weights=True)[1]
+    out, w = R.scaled_dot_product_attention(q, k, v, dropout_p=0.25, return_weights=True)
+    kept = w != 0
+    np.testing.assert_allclose(w[kept], soft[kept] / 0.75)
+    assert 0.15 < 1 - kept.mean() < 0.35
+
+
+def test_dispatch_paths_and_reasons(monkeypatch):
+    q, k, v = qkv()
+    assert AF.explain(q, k, v).path == "fused"
+    assert "enable_gqa" in str(AF.explain(q, k, v))
+    d = AF.explain(q, k, v, return_weights=True)
+    assert d.path == "eager" and "return_weights" in str(d)
+    d = AF.explain(q, k, v, dropout_p=0.1)
+    assert d.path == "eager" and "dropout" in str(d)
+    assert "bool mask" in str(AF.explain(q, k, v, is_causal="bottom_right"))
+
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    AF.scaled_dot_product_attention(q, k, v, is_causal="top_left")
+    assert len(calls) == 1 and calls[0]["is_causal"] and calls[0]["enable_gqa"]
+    AF.scaled_dot_product_attention(q, k, v, return_weights=True)
+    assert len(calls) == 1  # the eager path does not call torch's kernel
+
+
+def test_dispatch_is_logged(caplog):
+    q, k, v = qkv()
+    with caplog.at_level(logging.DEBUG, logger="attnlab.dispatch"):
+        AF.scaled_dot_product_attention(q, k, v, return_weights=True)
+    assert any("eager" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,152 @@
+"""Bad input: a clear ValueError/TypeError naming the argument, what was expected and received,
+and the fix -- raised before any work is done."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import attnlab.functional as AF
+from attnlab import masks
+
+
+def t(*shape, dtype=torch.float32):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+Q, K, V = t(2, 4, 5, 8), t(2, 2, 7, 8), t(2, 2, 7, 3)
+
+SDPA_CASES = [
+    # (description, args, kwargs, error type, phrases the message must contain)
+    (
+        "batch mismatch",
+        (Q, t(3, 2, 7, 8), t(3, 2, 7, 3)),
+        {},
+        ValueError,
+        ["batch size B", "query has 2", "have 3", "Fix"],
+    ),
+    (
+        "Hkv does not divide H",
+        (Q, t(2, 3, 7, 8), t(2, 3, 7, 3)),
+        {},
+        ValueError,
+        ["Hkv must divide", "H=4, Hkv=3", "[1, 2, 4]"],
+    ),
+    (
+        "key/value length mismatch",
+        (Q, K, t(2, 2, 6, 3)),
+        {},
+        ValueError,
+        ["same length S", "(2, 2, 7, 8)", "(2, 2, 6, 3)", "Fix"],
+    ),
+    (
+        "query/key width mismatch",
+        (Q, t(2, 2, 7, 6), V),
+        {},
+        ValueError,
+        ["head dim E", "expected 8, got 6", "Fix"],
+    ),
+    ("dims mismatch", (Q, t(2, 7, 8), V), {}, ValueError, ["as many dims", "Fix"]),
+    (
+        "mask does not broadcast",
+        (Q, K, V, t(5, 6, dtype=torch.bool)),
+        {},
+        ValueError,
+        ["attn_mask", "(5, 6)", "(2, 4, 5, 7)", "Fix"],
+    ),
+    (
+        "integer mask",
+        (Q, K, V, t(5, 7, dtype=torch.int64)),
+        {},
+        TypeError,
+        ["attn_mask", "torch.int64", "True = may attend", "Fix"],
+    ),
+    (
+        "negative dropout",
+        (Q, K, V),
+        {"dropout_p": -0.1},
+        ValueError,
+        ["dropout_p", "[0, 1)", "-0.1", "Fix"],
+    ),
+    ("dropout of 1", (Q, K, V), {"dropout_p": 1.0}, ValueError, ["dropout_p", "1.0"]),
+    (
+        "integer query",
+        (t(2, 4, 5, 8, dtype=torch.int64), K, V),
+        {},
+        TypeError,
+        ["query", "floating-point", "torch.int64", "Fix"],
+    ),
+    ("mixed dtypes", (Q, K.double(), V), {}, TypeError, ["one dtype", "Fix"]),
+    (
+        "ambiguous causal",
+        (Q, K, V),
+        {"is_causal": True},
+        ValueError,
+        ["ambiguous", "L=5", "S=7", "bottom_right", "top_left"],
+    ),
+    ("unknown causal", (Q, K, V), {"is_causal": "diagonal"}, ValueError, ["is_causal"]),
+    ("not a tensor", ([[1.0]], K, V), {}, TypeError, ["query", "torch.Tensor"]),
+]
+
+
+BAD_INPUT = [
+    pytest.param(fn, *case[1:], id=f"{name}-{case[0]}")
+    for name, fn in (("sdpa", AF.scaled_dot_product_attention), ("hard", AF.hard_attention))
+    for case in SDPA_CASES
+    if not (fn is AF.hard_attention and "dropout_p" in case[2])  # hard attention has no dropout
+]
+
+
+@pytest.mark.parametrize("fn,args,kwargs,error,phrases", BAD_INPUT)
+def test_sdpa_bad_input(fn, args, kwargs, error, phrases):
+    with pytest.raises(error) as info:
+        fn(*args, **kwargs)
+    for phrase in phrases:
+        assert phrase in str(info.value), (phrase, str(info.value))
+
+
+def test_additive_bad_input():
+    q, k, v = t(2, 3, 5), t(2, 4, 6), t(2, 4, 2)
+    w_q, w_k, w_s = t(8, 5), t(8, 6), t(8)
+    with pytest.raises(ValueError, match=r"w_key must be \(A, Dk\) = \(8, 6\), got \(8, 5\)"):
+        AF.additive_attention(q, k, v, w_q, t(8, 5), w_s)
+    with pytest.raises(ValueError, match=r"w_query must be \(A, Dq\) = \(8, 5\)"):
+        AF.additive_attention(q, k, v, t(8, 4), w_k, w_s)
+    with pytest.raises(ValueError, match="same length S"):
+        AF.additive_attention(q, k, t(2, 3, 2), w_q, w_k, w_s)
+    with pytest.raises(ValueError, match="leading dims"):
+        AF.additive_attention(q, t(3, 4, 6), t(3, 4, 2), w_q, w_k, w_s)
+    with pytest.raises(TypeError, match="w_score must be a floating-point"):
+        AF.additive_attention(q, k, v, w_q, w_k, t(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="attn_mask"):
+        AF.additive_attention(q, k, v, w_q, w_k, w_s, t(5, 5, dtype=torch.bool))
+
+
+def test_other_bad_input():
+    with pytest.raises(ValueError, match=re.escape("weight must have shape (Eq, Ek) = (8, 8)")):
+        AF.general_scores(t(2, 5, 8), t(2, 7, 8), t(8, 6))
+    with pytest.raises(ValueError, match=re.escape("(A, Eq + Ek) = (A, 14)")):
+        AF.concat_scores(t(2, 5, 8), t(2, 7, 6), t(4, 13), t(4))
+    with pytest.raises(ValueError, match="top_k"):
+        AF.hard_attention(Q, K, V, mode="topk")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        AF.hard_attention(Q, K, V, mode="soft")
+    with pytest.raises(ValueError, match="noise must have the scores' shape"):
+        AF.hard_attention(Q, K, V, mode="sample", noise=t(2, 4, 5))
+    with pytest.raises(ValueError, match="value"):
+        AF.attention(t(2, 4, 5, 7), t(2, 3, 7, 2))
+
+
+def test_mask_builder_errors():
+    with pytest.raises(ValueError, match="alignment must be given.*bottom_right"):
+        masks.causal_mask(3, 5)
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        masks.sliding_window_mask(4, window=0)
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, max_length=3\]"):
+        masks.padding_mask([2, 5], 3)
+    with pytest.raises(TypeError, match="True = real token"):
+        masks.expand_key_padding(t(2, 5))
+    with pytest.raises(TypeError, match="to_bool"):
+        masks.and_masks(masks.causal_mask(3), t(3, 3))

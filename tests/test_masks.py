@@ -1,0 +1,89 @@
+"""Mask builders: values, alignment, combinators, the picture, and the NumPy twins."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import attnlab.reference as R
+from attnlab import masks
+
+
+def test_causal_alignments():
+    tl = masks.causal_mask(3, 5, alignment="top_left")
+    br = masks.causal_mask(3, 5, alignment="bottom_right")
+    assert tl.tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+    assert br.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert torch.equal(masks.causal_mask(4), torch.ones(4, 4, dtype=torch.bool).tril())
+    # bottom-right with L > S: the first L - S queries see nothing
+    assert masks.causal_mask(4, 2, alignment="bottom_right").sum(-1).tolist() == [0, 0, 1, 2]
+
+
+def test_sliding_window():
+    m = masks.sliding_window_mask(5, window=3)
+    assert m.sum(-1).tolist() == [1, 2, 3, 3, 3]
+    assert m[4].tolist() == [False, False, True, True, True]
+    both = masks.sliding_window_mask(5, window=2, causal=False)
+    assert both[2].tolist() == [False, True, True, True, False]
+    br = masks.sliding_window_mask(2, 6, window=3, alignment="bottom_right")
+    assert br.tolist() == [[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
+    # a window covering everything is the causal mask
+    assert torch.equal(masks.sliding_window_mask(6, window=6), masks.causal_mask(6))
+
+
+def test_padding_right_and_left():
+    r = masks.padding_mask([2, 4], 5)
+    assert r.shape == (2, 1, 1, 5)
+    assert r[:, 0, 0].tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]]
+    left = masks.padding_mask([2, 4], 5, side="left")
+    assert left[:, 0, 0].tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 1]]
+    kpm = torch.tensor([[True, False]])
+    assert masks.expand_key_padding(kpm).shape == (1, 1, 1, 2)
+
+
+def test_combinators_and_additive():
+    c = masks.causal_mask(4)
+    p = masks.padding_mask([3], 4)
+    both = masks.and_masks(c, p)
+    assert both.shape == (1, 1, 4, 4)
+    assert both[0, 0, 3].tolist() == [True, True, True, False]
+    either = masks.or_masks(c, ~masks.causal_mask(4))
+    assert either.all()
+    bias = masks.to_additive(c)
+    assert bias.dtype == torch.float32
+    assert torch.all(bias[c] == 0) and torch.all(bias[~c] == float("-inf"))
+    assert torch.equal(masks.to_bool(bias), c)
+
+
+def test_mask_prints_as_picture_and_stays_a_plain_tensor():
+    m = masks.causal_mask(3, 5, alignment="bottom_right")
+    text = repr(m)
+    assert text.splitlines()[1:] == ["  ■ ■ ■ · ·", "  ■ ■ ■ ■ ·", "  ■ ■ ■ ■ ■"]
+    assert str(m) == text and "True = may attend" in text
+    out = m & torch.ones(3, 5, dtype=torch.bool)
+    assert type(out) is torch.Tensor  # operations return ordinary tensors
+    big = masks.causal_mask(100)
+    assert "…" in repr(big) and len(repr(big).splitlines()) < 30
+    assert "Additive bias" in masks.show(masks.to_additive(m))
+
+
+@pytest.mark.parametrize(
+    "L,S,alignment",
+    [(4, 4, None), (3, 6, "bottom_right"), (3, 6, "top_left"), (6, 3, "bottom_right")],
+)
+def test_numpy_twins(L, S, alignment):
+    np.testing.assert_array_equal(
+        masks.causal_mask(L, S, alignment=alignment).numpy(),
+        R.causal_mask(L, S, alignment=alignment),
+    )
+    for causal in (True, False):
+        np.testing.assert_array_equal(
+            masks.sliding_window_mask(L, S, window=2, alignment=alignment, causal=causal).numpy(),
+            R.sliding_window_mask(L, S, window=2, alignment=alignment, causal=causal),
+        )
+    for side in ("left", "right"):
+        np.testing.assert_array_equal(
+            masks.padding_mask([1, 3], 4, side=side).numpy(),
+            R.padding_mask([1, 3], 4, side=side),
+        )

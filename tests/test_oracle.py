@@ -1,0 +1,318 @@
+"""Every torch function against its float64 NumPy twin, over grids of shapes, heads and masks."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import attnlab.functional as AF
+import attnlab.functional.additive as additive_module
+import attnlab.reference as R
+from attnlab import masks
+from conftest import assert_close_to_oracle, naive_sdpa, np64
+
+F64 = torch.float64
+
+# (B, H, Hkv, L, S, E, Ev): MHA, GQA, MQA, decode steps (L=1), L > S, tiny.
+SHAPES = [
+    (1, 1, 1, 1, 1, 4, 4),
+    (2, 4, 4, 5, 5, 8, 8),
+    (2, 6, 2, 4, 9, 8, 3),
+    (1, 8, 1, 7, 3, 16, 16),
+    (3, 4, 2, 1, 10, 8, 8),
+    (2, 3, 3, 6, 6, 5, 7),
+]
+MASKS = ["none", "bool", "padding", "additive"]
+CAUSAL = [False, True, "top_left", "bottom_right"]
+
+
+def make_qkv(shape, dtype=F64, seed=0, layout=4):
+    B, H, Hkv, L, S, E, Ev = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, E, generator=g, dtype=F64)
+    k = torch.randn(B, Hkv, S, E, generator=g, dtype=F64)
+    v = torch.randn(B, Hkv, S, Ev, generator=g, dtype=F64)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    if layout == 3:  # (B, L, E): single head
+        q, k, v = q[:, 0], k[:, 0], v[:, 0]
+    elif layout == 2:  # (L, E)
+        q, k, v = q[0, 0], k[0, 0], v[0, 0]
+    return q, k, v
+
+
+def make_mask(kind, shape, seed=0):
+    B, H, Hkv, L, S, E, Ev = shape
+    g = torch.Generator().manual_seed(seed + 1)
+    if kind == "none":
+        return None
+    if kind == "bool":  # random, with one fully masked query row
+        m = torch.rand(B, 1, L, S, generator=g) > 0.3
+        m[0, 0, 0] = False
+        return m
+    if kind == "padding":
+        lengths = torch.randint(1, S + 1, (B,), generator=g)
+        return masks.padding_mask(lengths, S)
+    bias = torch.randn(B, H, L, S, generator=g, dtype=F64)
+    bias[torch.rand(B, H, L, S, generator=g) < 0.2] = float("-inf")
+    return bias
+
+
+def causal_ok(causal, shape):
+    return causal is not True or shape[3] == shape[4]
+
+
+CASES = [
+    (s, m, c)
+    for s, m, c in itertools.product(SHAPES, MASKS, CAUSAL)
+    if causal_ok(c, s) and not (c is True and s[3] == 1 and m != "none")
+]
+
+
+@pytest.mark.parametrize("return_weights", [False, True], ids=["fused", "eager"])
+@pytest.mark.parametrize("shape,mask_kind,causal", CASES)
+def test_sdpa_matches_oracle(shape, mask_kind, causal, return_weights):
+    q, k, v = make_qkv(shape)
+    mask = make_mask(mask_kind, shape)
+    got = AF.scaled_dot_product_attention(
+        q, k, v, mask, is_causal=causal, return_weights=return_weights
+    )
+    want = R.scaled_dot_product_attention(
+        np64(q), np64(k), np64(v), np64(mask), is_causal=causal, return_weights=return_weights
+    )
+    if return_weights:
+        assert_close_to_oracle(got[0], want[0])
+        assert_close_to_oracle(got[1], want[1])
+    else:
+        assert_close_to_oracle(got, want)
+
+
+@pytest.mark.parametrize("layout", [2, 3])
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_sdpa_optional_leading_dims(layout, return_weights):
+    shape = (2, 1, 1, 5, 7, 8, 3)
+    q, k, v = make_qkv(shape, layout=layout)
+    mask = torch.rand(5, 7, generator=torch.Generator().manual_seed(3)) > 0.4
+    got = AF.scaled_dot_product_attention(
+        q, k, v, mask, is_causal="bottom_right", return_weights=return_weights
+    )
+    want = R.scaled_dot_product_attention(
+        np64(q),
+        np64(k),
+        np64(v),
+        np64(mask),
+        is_causal="bottom_right",
+        return_weights=return_weights,
+    )
+    pairs = zip(got, want, strict=True) if return_weights else [(got, want)]
+    for g, w in pairs:
+        assert_close_to_oracle(g, w)
+
+
+@pytest.mark.parametrize("scale", [None, 1.0, 0.37])
+def test_sdpa_scale(scale):
+    q, k, v = make_qkv(SHAPES[2])
+    for rw in (False, True):
+        got = AF.scaled_dot_product_attention(q, k, v, scale=scale, return_weights=rw)
+        want = R.scaled_dot_product_attention(np64(q), np64(k), np64(v), scale=scale)
+        assert_close_to_oracle(got[0] if rw else got, want)
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:4])
+def test_score_functions(shape):
+    q, k, v = make_qkv(shape)
+    assert_close_to_oracle(AF.dot_product_scores(q, k), R.dot_product_scores(np64(q), np64(k)))
+    assert_close_to_oracle(
+        AF.scaled_dot_product_scores(q, k, 0.3), R.scaled_dot_product_scores(np64(q), np64(k), 0.3)
+    )
+    g = torch.Generator().manual_seed(5)
+    E = shape[5]
+    W = torch.randn(E, E, generator=g, dtype=F64)
+    assert_close_to_oracle(AF.general_scores(q, k, W), R.general_scores(np64(q), np64(k), np64(W)))
+
+
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("shape", SHAPES[1:5])
+def test_attention_over_scores(shape, mask_kind):
+    q, k, v = make_qkv(shape)
+    mask = make_mask(mask_kind, shape)
+    scores = AF.scaled_dot_product_scores(q, k)
+    got = AF.attention(scores, v, mask, return_weights=True)
+    want = R.attention(np64(scores), np64(v), np64(mask), return_weights=True)
+    assert_close_to_oracle(got[0], want[0])
+    assert_close_to_oracle(got[1], want[1])
+
+
+ADDITIVE_SHAPES = [  # leading dims, L, S, Dq, Dk, Dv, A
+    ((), 1, 1, 3, 3, 2, 4),
+    ((2,), 3, 4, 5, 5, 6, 10),
+    ((2,), 7, 5, 4, 6, 3, 8),
+    ((2, 3), 4, 6, 5, 7, 2, 8),
+]
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one-block", "row-by-row"])
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+@pytest.mark.parametrize("dims", ADDITIVE_SHAPES)
+def test_additive_attention(dims, mask_kind, causal, chunk_bytes, monkeypatch):
+    if chunk_bytes is not None:  # force one query row per block: exercises the block loop
+        monkeypatch.setattr(additive_module, "CHUNK_BYTES", chunk_bytes)
+    lead, L, S, Dq, Dk, Dv, A = dims
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(*lead, L, Dq, generator=g, dtype=F64)
+    k = torch.randn(*lead, S, Dk, generator=g, dtype=F64)
+    v = torch.randn(*lead, S, Dv, generator=g, dtype=F64)
+    w_q, w_k = (
+        torch.randn(A, Dq, generator=g, dtype=F64),
+        torch.randn(A, Dk, generator=g, dtype=F64),
+    )
+    w_s, b = torch.randn(A, generator=g, dtype=F64), torch.randn(A, generator=g, dtype=F64)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(L, S, generator=g) > 0.3
+        mask[0] = False
+    elif mask_kind == "additive":
+        mask = torch.randn(L, S, generator=g, dtype=F64)
+    got = AF.additive_attention(
+        q, k, v, w_q, w_k, w_s, mask, bias=b, is_causal=causal, return_weights=True
+    )
+    want = R.additive_attention(
+        *(np64(t) for t in (q, k, v, w_q, w_k, w_s)),
+        np64(mask),
+        bias=np64(b),
+        is_causal=causal,
+        return_weights=True,
+    )
+    assert_close_to_oracle(got[0], want[0])
+    assert_close_to_oracle(got[1], want[1])
+    scores = AF.additive_scores(q, k, w_q, w_k, w_s, b)
+    assert_close_to_oracle(scores, R.additive_scores(*(np64(t) for t in (q, k, w_q, w_k, w_s, b))))
+
+
+def test_concat_scores_is_concatenation():
+    g = torch.Generator().manual_seed(8)
+    q, k = (
+        torch.randn(2, 3, 4, generator=g, dtype=F64),
+        torch.randn(2, 5, 6, generator=g, dtype=F64),
+    )
+    W, w = torch.randn(7, 10, generator=g, dtype=F64), torch.randn(7, generator=g, dtype=F64)
+    got = AF.concat_scores(q, k, W, w)
+    assert_close_to_oracle(got, R.concat_scores(np64(q), np64(k), np64(W), np64(w)))
+
+
+@pytest.mark.parametrize("mode", ["argmax", "sample", "topk"])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "padding"])
+@pytest.mark.parametrize("shape", SHAPES[1:5])
+def test_hard_attention(shape, mask_kind, mode):
+    q, k, v = make_qkv(shape)
+    mask = make_mask(mask_kind, shape)
+    B, H, _, L, S, _, _ = shape
+    noise = torch.randn(B, H, L, S, generator=torch.Generator().manual_seed(9), dtype=F64)
+    kwargs = {"mode": mode, "top_k": 2 if mode == "topk" else None}
+    if mode == "sample":
+        kwargs["noise"] = noise
+    got = AF.hard_attention(q, k, v, mask, return_weights=True, **kwargs)
+    if mode == "sample":
+        kwargs["noise"] = np64(noise)
+    want = R.hard_attention(np64(q), np64(k), np64(v), np64(mask), return_weights=True, **kwargs)
+    assert_close_to_oracle(got[0], want[0])
+    assert_close_to_oracle(got[1], want[1])
+
+
+def test_gumbel_sampling_follows_softmax():
+    """Sampled hard attention picks key j with probability softmax(scores)_j."""
+    scores = torch.tensor([[1.0, 0.0, -1.0, 2.0]])
+    n = 20000
+    g = torch.Generator().manual_seed(10)
+    picks = AF.hard_attention_weights(scores.expand(n, 4), mode="sample", generator=g)
+    freq = picks.mean(0)
+    p = torch.softmax(scores[0], -1)
+    # 4.5 standard errors of a binomial frequency: fails by chance ~1e-5 of the time
+    assert torch.all((freq - p).abs() <= 4.5 * (p * (1 - p) / n).sqrt())
+
+
+# --- 16-bit inputs: errors at most twice those of a naive same-dtype control ---------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("return_weights", [False, True], ids=["fused", "eager"])
+@pytest.mark.parametrize(
+    "shape,mask_kind",
+    [(SHAPES[1], "bool"), (SHAPES[2], "padding"), ((2, 4, 2, 64, 64, 32, 32), "none")],
+)
+def test_low_precision_against_control(shape, mask_kind, return_weights, dtype):
+    q64, k64, v64 = make_qkv(shape)
+    mask = make_mask(mask_kind, shape)
+    want = R.scaled_dot_product_attention(np64(q64), np64(k64), np64(v64), np64(mask))
+    q, k, v = (t.to(dtype) for t in (q64, k64, v64))
+    got = AF.scaled_dot_product_attention(q, k, v, mask, return_weights=return_weights)
+    got = got[0] if return_weights else got
+    assert got.dtype == dtype
+    control = naive_sdpa(q, k, v, mask)
+    err = np.abs(np64(got) - want).max()
+    err_control = np.abs(np64(control) - want).max()
+    assert err <= 2 * err_control + torch.finfo(dtype).eps, (err, err_control)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_softmax_and_additive(dtype):
+    g = torch.Generator().manual_seed(11)
+    s64 = torch.randn(4, 6, 50, generator=g, dtype=F64) * 4
+    mask = torch.rand(4, 6, 50, generator=g) > 0.2
+    want = R.masked_softmax(np64(s64), np64(mask))
+    s = s64.to(dtype)
+    got = AF.masked_softmax(s, mask)
+    assert got.dtype == dtype
+    control = torch.softmax(s.masked_fill(~mask, float("-inf")), -1)  # naive, same dtype
+    assert np.abs(np64(got) - want).max() <= 2 * np.abs(np64(control) - want).max()
+    # additive: float32 accumulation inside, compared with the naive formula in dtype
+    q, k, v = (torch.randn(2, n, 8, generator=g, dtype=F64) for n in (5, 7, 7))
+    w_q, w_k = (torch.randn(16, 8, generator=g, dtype=F64) for _ in range(2))
+    w_s = torch.randn(16, generator=g, dtype=F64)
+    want = R.additive_attention(*(np64(t) for t in (q, k, v, w_q, w_k, w_s)))
+    lo = [t.to(dtype) for t in (q, k, v, w_q, w_k, w_s)]
+    got = AF.additive_attention(*lo)
+    qa, ka = lo[0] @ lo[3].T, lo[1] @ lo[4].T
+    naive_scores = torch.tanh(qa[:, :, None] + ka[:, None]) @ lo[5]
+    control = torch.softmax(naive_scores, -1) @ lo[2]
+    assert got.dtype == dtype
+    assert np.abs(np64(got) - want).max() <= 2 * np.abs(np64(control) - want).max()
+
+
+# --- against torch's own SDPA where they overlap ---------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "padding", "additive"])
+def test_against_torch_sdpa(shape, mask_kind):
+    q, k, v = (t.float() for t in make_qkv(shape))
+    mask = make_mask(mask_kind, shape)
+    if mask is not None and mask.is_floating_point():
+        mask = mask.float()
+    if mask_kind == "bool":  # torch's reference math gives NaN on fully masked rows; avoid them
+        mask[0, 0, 0, 0] = True
+    gqa = shape[1] != shape[2]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    for rw in (False, True):
+        got = AF.scaled_dot_product_attention(q, k, v, mask, return_weights=rw)
+        torch.testing.assert_close(got[0] if rw else got, want, rtol=1e-5, atol=1e-6)
+    if shape[3] == shape[4] and mask is None:
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=gqa
+        )
+        got = AF.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bottom_right_matches_torch_causal_bias():
+    """torch's own CausalBias (lower-right variant) agrees with attnlab's bottom-right."""
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    q, k, v = (t.float() for t in make_qkv((2, 4, 4, 3, 8, 8, 8)))
+    for alignment, bias in (("bottom_right", causal_lower_right), ("top_left", causal_upper_left)):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias(3, 8))
+        got = AF.scaled_dot_product_attention(q, k, v, is_causal=alignment)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
