@@ -316,3 +316,17 @@ def test_bottom_right_matches_torch_causal_bias():
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias(3, 8))
         got = AF.scaled_dot_product_attention(q, k, v, is_causal=alignment)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_additive_float32_against_control():
+    """The sigmoid-based kernel rounds no worse than the naive float32 tanh formula (x2)."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(4, 64, 32, generator=g, dtype=F64) for _ in range(3))
+    w_q, w_k = (torch.randn(128, 32, generator=g, dtype=F64) * 0.3 for _ in range(2))
+    w_s = torch.randn(128, generator=g, dtype=F64)
+    want = R.additive_scores(*(np64(t) for t in (q, k, w_q, w_k, w_s)))
+    lo = [t.float() for t in (q, k, w_q, w_k, w_s)]
+    got = AF.additive_scores(*lo)
+    control = torch.tanh((lo[0] @ lo[2].T)[:, :, None] + (lo[1] @ lo[3].T)[:, None]) @ lo[4]
+    err, err_control = (np.abs(np64(x) - want).max() for x in (got, control))
+    assert err <= 2 * err_control, (err, err_control)

@@ -1,0 +1,212 @@
+"""attnlab's functional core against its peers, in one run; prints times and ratios.
+
+1. ``scaled_dot_product_attention`` (fused path) vs calling ``torch.nn.functional.
+   scaled_dot_product_attention`` directly: forward and forward+backward, float32 and bfloat16.
+   Target: within 1.05x.
+2. ``return_weights=True`` vs the naive materialising formula ``softmax(Q K^T / sqrt(E)) V``.
+3. ``additive_attention`` vs the naive Bahdanau formula (seed 002's ``AdditiveAttention``):
+   time and peak memory at B=8, L=S=1024, A=256. Target: >= 5x less peak memory, not slower.
+
+Usage: ``python benchmarks/bench_core.py [--quick] [--threads N] [--skip-naive-additive]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import attnlab.functional as AF  # noqa: E402
+from common import header, peak_rss_mib_in_child, ratio_line, report_peak, round_robin  # noqa: E402
+
+SDPA_SHAPES = [(8, 8, 256, 64), (4, 8, 1024, 64), (1, 8, 4096, 64)]
+
+
+def naive_weights(q, k, v):
+    w = torch.softmax((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1]), dim=-1)
+    return w @ v, w
+
+
+def naive_additive(q, k, v, w_q, w_k, w_s):
+    """Seed 002's formula: broadcast (B, L, 1, A) + (B, 1, S, A), tanh, reduce with w."""
+    energy = torch.tanh((q @ w_q.T).unsqueeze(2) + (k @ w_k.T).unsqueeze(1))  # (B, L, S, A)
+    scores = energy @ w_s  # (B, L, S)
+    return torch.softmax(scores, -1) @ v
+
+
+def additive_inputs(B=8, L=1024, S=1024, A=256, D=256, grad=False):
+    g = torch.Generator().manual_seed(0)
+    t = [torch.randn(B, L, D, generator=g), torch.randn(B, S, D, generator=g)]
+    t.append(torch.randn(B, S, D, generator=g))
+    t += [torch.randn(A, D, generator=g) / D**0.5, torch.randn(A, D, generator=g) / D**0.5]
+    t.append(torch.randn(A, generator=g) / A**0.5)
+    return [x.requires_grad_(grad) for x in t]
+
+
+def fwd_bwd(fn):
+    def run(*args):
+        out = fn(*args)
+        out.backward(torch.ones_like(out))
+
+    return run
+
+
+MEMORY_CASES = {
+    "additive-attnlab-fwd": (lambda x: AF.additive_attention(*x), additive_inputs),
+    "additive-naive-fwd": (lambda x: naive_additive(*x), additive_inputs),
+    "additive-attnlab-fwdbwd": (
+        lambda x: fwd_bwd(AF.additive_attention)(*x),
+        lambda: additive_inputs(grad=True),
+    ),
+    "additive-attnlab-fwdbwd-small": (
+        lambda x: fwd_bwd(AF.additive_attention)(*x),
+        lambda: additive_inputs(B=2, L=512, S=512, grad=True),
+    ),
+    "additive-naive-fwdbwd-small": (
+        lambda x: fwd_bwd(naive_additive)(*x),
+        lambda: additive_inputs(B=2, L=512, S=512, grad=True),
+    ),
+}
+
+
+def bench_fused(rounds: int) -> None:
+    header("fused path vs torch F.scaled_dot_product_attention called directly (target <= 1.05)")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in SDPA_SHAPES:
+            g = torch.Generator().manual_seed(0)
+            q, k, v = (torch.randn(*shape, generator=g).to(dtype) for _ in range(3))
+            big = shape[2] >= 4096
+            r = max(3, rounds // 3) if big else rounds
+            with torch.inference_mode():
+                stats = round_robin(
+                    {
+                        "attnlab": lambda: AF.scaled_dot_product_attention(q, k, v),
+                        "torch": lambda: sdpa(q, k, v),
+                    },
+                    rounds=r,
+                )
+            print(ratio_line(f"fwd     {str(dtype)[6:]:>8} {shape}", stats, "attnlab", "torch"))
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            stats = round_robin(
+                {
+                    "attnlab": lambda: fwd_bwd(AF.scaled_dot_product_attention)(qg, kg, vg),
+                    "torch": lambda: fwd_bwd(sdpa)(qg, kg, vg),
+                },
+                rounds=r,
+            )
+            print(ratio_line(f"fwd+bwd {str(dtype)[6:]:>8} {shape}", stats, "attnlab", "torch"))
+        # causal and grouped-query: the cases where attnlab adds work before calling torch
+        g = torch.Generator().manual_seed(1)
+        q = torch.randn(4, 8, 1024, 64, generator=g).to(dtype)
+        k, v = (torch.randn(4, 2, 1024, 64, generator=g).to(dtype) for _ in range(2))
+        with torch.inference_mode():
+            stats = round_robin(
+                {
+                    "attnlab": lambda: AF.scaled_dot_product_attention(q, k, v, is_causal=True),
+                    "torch": lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True),
+                },
+                rounds=rounds,
+            )
+        print(ratio_line(f"fwd GQA 8/2 causal {str(dtype)[6:]}", stats, "attnlab", "torch"))
+
+
+def bench_weights(rounds: int) -> None:
+    header("return_weights=True vs the naive materialising formula (forward, float32)")
+    for shape in SDPA_SHAPES[:2]:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(*shape, generator=g) for _ in range(3))
+        with torch.inference_mode():
+            stats = round_robin(
+                {
+                    "weights": lambda: AF.scaled_dot_product_attention(
+                        q, k, v, return_weights=True
+                    ),
+                    "naive": lambda: naive_weights(q, k, v),
+                    "no-weights": lambda: AF.scaled_dot_product_attention(q, k, v),
+                },
+                rounds=rounds,
+            )
+        print(ratio_line(f"return_weights vs naive {shape}", stats, "weights", "naive"))
+        print(ratio_line(f"return_weights vs without {shape}", stats, "weights", "no-weights"))
+
+
+def bench_additive(rounds: int, skip_naive: bool) -> None:
+    header("additive_attention vs the naive Bahdanau formula, B=8, L=S=1024, A=256, D=256")
+    here = str(Path(__file__).resolve())
+    x = additive_inputs()
+    cases = {"attnlab": lambda: AF.additive_attention(*x)}
+    if not skip_naive:
+        cases["naive"] = lambda: naive_additive(*x)
+    with torch.inference_mode():
+        stats = round_robin(cases, rounds=max(2, rounds // 4), warmup=1)
+    if skip_naive:
+        print(f"attnlab forward {stats['attnlab']['median']:.2f} s (naive skipped)")
+    else:
+        print(ratio_line("forward time", stats, "attnlab", "naive"))
+    ours = peak_rss_mib_in_child(here, "additive-attnlab-fwd")
+    line = f"forward peak memory: attnlab {ours:8.0f} MiB"
+    if not skip_naive:
+        naive = peak_rss_mib_in_child(here, "additive-naive-fwd")
+        line += f"   naive {naive:8.0f} MiB   naive/attnlab x{naive / max(ours, 1):.1f}"
+    print(line)
+    xg = additive_inputs(grad=True)
+    stats = round_robin(
+        {"attnlab": lambda: fwd_bwd(AF.additive_attention)(*xg)}, rounds=2, warmup=1
+    )
+    ours = peak_rss_mib_in_child(here, "additive-attnlab-fwdbwd")
+    print(
+        f"forward+backward: attnlab {stats['attnlab']['median']:.2f} s, peak {ours:.0f} MiB; "
+        f"naive needs > 24 GiB (the (B, L, S, A) tanh twice, 8 GiB each, kept for backward)"
+    )
+    xs = additive_inputs(B=2, L=512, S=512, grad=True)
+    stats = round_robin(
+        {
+            "attnlab": lambda: fwd_bwd(AF.additive_attention)(*xs),
+            "naive": lambda: fwd_bwd(naive_additive)(*xs),
+        },
+        rounds=max(3, rounds // 2),
+    )
+    print(ratio_line("fwd+bwd time at B=2, L=S=512", stats, "attnlab", "naive"))
+    ours = peak_rss_mib_in_child(here, "additive-attnlab-fwdbwd-small")
+    naive = peak_rss_mib_in_child(here, "additive-naive-fwdbwd-small")
+    print(
+        f"fwd+bwd peak at B=2, L=S=512: attnlab {ours:.0f} MiB, naive {naive:.0f} MiB, "
+        f"x{naive / max(ours, 1):.1f}"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer rounds")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument(
+        "--skip-naive-additive",
+        action="store_true",
+        help="skip the naive additive forward (needs ~16 GiB)",
+    )
+    p.add_argument("--only", choices=["fused", "weights", "additive"], default=None)
+    p.add_argument("--memory-case", choices=sorted(MEMORY_CASES), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.memory_case:
+        run, setup = MEMORY_CASES[args.memory_case]
+        with torch.inference_mode(not args.memory_case.endswith(("fwdbwd", "fwdbwd-small"))):
+            report_peak(run, setup)
+        return
+    rounds = 4 if args.quick else 10
+    if args.only in (None, "fused"):
+        bench_fused(rounds)
+    if args.only in (None, "weights"):
+        bench_weights(rounds)
+    if args.only in (None, "additive"):
+        bench_additive(rounds, args.skip_naive_additive)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Timing and memory helpers shared by the benchmark scripts.
+
+This machine's speed drifts in phases lasting seconds (up to 2.5x). So the cases compared are
+timed round-robin -- one call of each case per round -- in one process, and the figures reported
+are ratios of medians (and of bests) between cases of the same round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+
+def round_robin(
+    cases: dict[str, Callable[[], object]], rounds: int = 10, warmup: int = 2
+) -> dict[str, dict[str, float]]:
+    """Time each case once per round, for ``rounds`` rounds; seconds: median, best."""
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {n: {"median": statistics.median(t), "best": min(t)} for n, t in times.items()}
+
+
+def ratio_line(label: str, stats: dict, case: str, baseline: str) -> str:
+    a, b = stats[case], stats[baseline]
+    return (
+        f"{label:<44} {a['median'] * 1e3:9.2f} ms {b['median'] * 1e3:9.2f} ms   "
+        f"x{a['median'] / b['median']:5.2f} (best x{a['best'] / b['best']:5.2f})"
+    )
+
+
+def peak_rss_mib_in_child(script: str, case: str, timeout: float = 900) -> float:
+    """Run ``script --memory-case case`` in a fresh process; return its extra peak RSS in MiB.
+
+    The child reports ``{"baseline": kib, "peak": kib}``: its peak resident set size after
+    building the inputs and after running the case once. A fresh process per case keeps one
+    case's freed memory from hiding another's peak.
+    """
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    out = subprocess.run(
+        [sys.executable, script, "--memory-case", case],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"memory case {case!r} failed:\n{out.stderr[-2000:]}")
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    return (report["peak"] - report["baseline"]) / 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def report_peak(run_case: Callable[[], object], setup: Callable[[], object]) -> None:
+    """In the child: build inputs, reset the peak RSS, run the case, print both as JSON (KiB).
+
+    ``ru_maxrss`` would not do: it survives ``exec`` and so starts at the parent's size. VmHWM
+    belongs to this address space, and writing 5 to ``clear_refs`` resets it to the current RSS.
+    """
+    inputs = setup()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    baseline = _status_kib("VmRSS")
+    run_case(inputs)
+    print(json.dumps({"baseline": baseline, "peak": _status_kib("VmHWM")}))
+
+
+def header(title: str) -> None:
+    import torch
+
+    print(f"\n== {title} ==")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'case':<44} {'attnlab':>12} {'peer':>12}   ratio (median; best)")
