@@ -70,9 +70,16 @@ def test_dispatch_paths_and_reasons(monkeypatch):
     assert AF.explain(q, k, v).path == "fused"
     assert "enable_gqa" in str(AF.explain(q, k, v))
     d = AF.explain(q, k, v, return_weights=True)
-    assert d.path == "eager" and "return_weights" in str(d)
+    assert d.path == "weights" and "blocks of" in str(d)
+    with torch.no_grad():  # no graph needed: still the weights path
+        assert AF.explain(q.requires_grad_(), k, v, return_weights=True).path == "weights"
+    d = AF.explain(q, k, v, return_weights=True)  # q requires grad now
+    assert d.path == "eager" and "autograd" in str(d)
+    q = q.detach()
     d = AF.explain(q, k, v, dropout_p=0.1)
     assert d.path == "eager" and "dropout" in str(d)
+    d = AF.explain(q, k, v, dropout_p=0.1, return_weights=True)
+    assert d.path == "eager" and "dropped" in str(d)
     assert "bool mask" in str(AF.explain(q, k, v, is_causal="bottom_right"))
 
     calls = []
@@ -86,11 +93,12 @@ def test_dispatch_paths_and_reasons(monkeypatch):
     AF.scaled_dot_product_attention(q, k, v, is_causal="top_left")
     assert len(calls) == 1 and calls[0]["is_causal"] and calls[0]["enable_gqa"]
     AF.scaled_dot_product_attention(q, k, v, return_weights=True)
-    assert len(calls) == 1  # the eager path does not call torch's kernel
+    AF.scaled_dot_product_attention(q.requires_grad_(), k, v, return_weights=True)
+    assert len(calls) == 1  # the weights and eager paths compute the output themselves
 
 
 def test_dispatch_is_logged(caplog):
     q, k, v = qkv()
     with caplog.at_level(logging.DEBUG, logger="attnlab.dispatch"):
-        AF.scaled_dot_product_attention(q, k, v, return_weights=True)
+        AF.scaled_dot_product_attention(q, k, v, dropout_p=0.2)
     assert any("eager" in r.getMessage() for r in caplog.records)

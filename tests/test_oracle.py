@@ -71,22 +71,63 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("return_weights", [False, True], ids=["fused", "eager"])
+PATHS = ["fused", "weights", "eager", "average"]
+
+
+def run_path(path, q, k, v, mask=None, **kwargs):
+    """Call sdpa so that it takes ``path``; returns (output, weights or None)."""
+    if path == "eager":  # weights that need autograd take the readable path
+        q = q.clone().requires_grad_()
+    return_weights = {"fused": False, "average": "average"}.get(path, True)
+    assert AF.explain(
+        q, k, v, mask, return_weights=return_weights, is_causal=kwargs.get("is_causal", False)
+    ).path == ({"average": "weights"}.get(path, path))
+    out = AF.scaled_dot_product_attention(q, k, v, mask, return_weights=return_weights, **kwargs)
+    return (out, None) if path == "fused" else out
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("shape,mask_kind,causal", CASES)
-def test_sdpa_matches_oracle(shape, mask_kind, causal, return_weights):
+def test_sdpa_matches_oracle(shape, mask_kind, causal, path):
     q, k, v = make_qkv(shape)
     mask = make_mask(mask_kind, shape)
-    got = AF.scaled_dot_product_attention(
-        q, k, v, mask, is_causal=causal, return_weights=return_weights
-    )
+    out, weights = run_path(path, q, k, v, mask, is_causal=causal)
     want = R.scaled_dot_product_attention(
-        np64(q), np64(k), np64(v), np64(mask), is_causal=causal, return_weights=return_weights
+        np64(q),
+        np64(k),
+        np64(v),
+        np64(mask),
+        is_causal=causal,
+        return_weights={"fused": False, "average": "average"}.get(path, True),
     )
-    if return_weights:
-        assert_close_to_oracle(got[0], want[0])
-        assert_close_to_oracle(got[1], want[1])
+    if weights is None:
+        assert_close_to_oracle(out, want)
     else:
-        assert_close_to_oracle(got, want)
+        assert_close_to_oracle(out, want[0])
+        assert_close_to_oracle(weights, want[1])
+
+
+@pytest.mark.parametrize("average", [False, True])
+@pytest.mark.parametrize(
+    "mask_kind,causal", [("bool", "bottom_right"), ("additive", False), ("padding", "top_left")]
+)
+def test_weights_path_in_many_blocks(mask_kind, causal, average, monkeypatch):
+    """Blocks of one query row each must give exactly the same weights as one block."""
+    import attnlab.functional.sdpa as sdpa_module
+
+    shape = (2, 4, 2, 9, 11, 8, 4)
+    q, k, v = make_qkv(shape)
+    mask = make_mask(mask_kind, shape)
+    rw = "average" if average else True
+    whole = AF.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, return_weights=rw)
+    monkeypatch.setattr(sdpa_module, "WEIGHTS_BLOCK_BYTES", 1)
+    assert "blocks of 1 head(s) x 1 query rows" in str(AF.explain(q, k, v, mask, return_weights=rw))
+    rows = AF.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, return_weights=rw)
+    torch.testing.assert_close(rows, whole, rtol=0, atol=1e-15)  # GEMV vs GEMM rounding
+    want = R.scaled_dot_product_attention(
+        np64(q), np64(k), np64(v), np64(mask), is_causal=causal, return_weights=rw
+    )
+    assert_close_to_oracle(rows[1], want[1])
 
 
 @pytest.mark.parametrize("layout", [2, 3])

@@ -46,6 +46,7 @@ __all__ = [
     "and_masks",
     "causal_mask",
     "expand_key_padding",
+    "from_torch_mask",
     "or_masks",
     "padding_mask",
     "show",
@@ -243,6 +244,21 @@ def expand_key_padding(key_padding_mask: torch.Tensor) -> Mask:
             f"turned into one with attnlab.masks.padding_mask(lengths)."
         )
     return Mask(key_padding_mask.as_subclass(torch.Tensor)[:, None, None, :])
+
+
+def from_torch_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A mask written for ``torch.nn.MultiheadAttention`` -> attnlab's convention.
+
+    torch's module reads a bool ``attn_mask`` or ``key_padding_mask`` as True = *not* allowed;
+    attnlab reads True = may attend, so bool masks are inverted. Float masks are additive in
+    both and pass unchanged. (torch's ``F.scaled_dot_product_attention`` already uses
+    True = may attend: do not convert masks meant for it.)
+    """
+    if mask is None or mask.is_floating_point():
+        return mask
+    if mask.dtype != torch.bool:
+        raise TypeError(f"from_torch_mask expects a bool or float mask; got {mask.dtype}.")
+    return Mask(~mask.as_subclass(torch.Tensor))
 
 
 def _combine(op, masks: tuple[torch.Tensor, ...], name: str) -> Mask:

@@ -8,6 +8,7 @@ its specification.
 
 from attnlab.functional.additive import additive_attention, additive_scores
 from attnlab.functional.hard import hard_attention, hard_attention_weights
+from attnlab.functional.rotary import apply_rotary, rotary_angles
 from attnlab.functional.scores import (
     concat_scores,
     dot_product_scores,
@@ -21,6 +22,7 @@ __all__ = [
     "Dispatch",
     "additive_attention",
     "additive_scores",
+    "apply_rotary",
     "attention",
     "concat_scores",
     "dot_product_scores",
@@ -29,6 +31,7 @@ __all__ = [
     "hard_attention",
     "hard_attention_weights",
     "masked_softmax",
+    "rotary_angles",
     "scaled_dot_product_attention",
     "scaled_dot_product_scores",
 ]

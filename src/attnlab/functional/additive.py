@@ -101,8 +101,10 @@ def additive_scores(
     Args:
         query: (..., L, Dq), e.g. the decoder state(s).
         key: (..., S, Dk), e.g. the encoder states; same leading dims as ``query``.
-        w_query: (A, Dq) -- ``W_q``; A is the attention width.
-        w_key: (A, Dk) -- ``W_k``.
+        w_query: (A, Dq) -- ``W_q``; A is the attention width. ``None`` when ``query`` is
+            already projected (width A).
+        w_key: (A, Dk) -- ``W_k``; ``None`` when ``key`` is already projected (width A): a
+            decoder projects the encoder states once per sentence, not at every step.
         w_score: (A,) -- ``w`` (Bahdanau's ``v_a``).
         bias: optional (A,).
 
@@ -121,14 +123,15 @@ def additive_scores(
 def _scores(query, key, w_query, w_key, w_score, bias) -> torch.Tensor:
     """additive_scores in the compute dtype (float32 for float16/bfloat16 inputs)."""
     for name, t in (("query", query), ("key", key), ("w_query", w_query), ("w_key", w_key)):
-        check_floating(name, t)
+        if t is not None:
+            check_floating(name, t)
     check_floating("w_score", w_score)
     _check_additive_shapes(query, key, w_query, w_key, w_score, bias)
     dtype = torch.float32 if query.dtype in LOW_PRECISION else query.dtype
-    a = query.to(dtype) @ w_query.to(dtype).T  # (..., L, A)
+    a = query.to(dtype) if w_query is None else query.to(dtype) @ w_query.to(dtype).T  # (.., L, A)
     if bias is not None:
         a = a + bias.to(dtype)
-    b = key.to(dtype) @ w_key.to(dtype).T  # (..., S, A)
+    b = key.to(dtype) if w_key is None else key.to(dtype) @ w_key.to(dtype).T  # (..., S, A)
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])  # (N, L, A)
     b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])  # (N, S, A)
@@ -143,13 +146,18 @@ def _check_additive_shapes(query, key, w_query, w_key, w_score, bias) -> None:
     problems = []
     if A is None:
         problems.append(f"w_score must be (A,), got {tuple(w_score.shape)}")
-    elif w_query.shape != (A, query.shape[-1]):
-        problems.append(
-            f"w_query must be (A, Dq) = ({A}, {query.shape[-1]}), got {tuple(w_query.shape)}"
-        )
-    elif w_key.shape != (A, key.shape[-1]):
-        problems.append(f"w_key must be (A, Dk) = ({A}, {key.shape[-1]}), got {tuple(w_key.shape)}")
-    elif bias is not None and bias.shape != (A,):
+    for name, x, w, width in (("query", query, w_query, "Dq"), ("key", key, w_key, "Dk")):
+        if A is None:
+            break
+        if w is None and x.shape[-1] != A:
+            problems.append(
+                f"a projected {name} (w_{name}=None) must have width A={A}, got {x.shape[-1]}"
+            )
+        elif w is not None and w.shape != (A, x.shape[-1]):
+            problems.append(
+                f"w_{name} must be (A, {width}) = ({A}, {x.shape[-1]}), got {tuple(w.shape)}"
+            )
+    if A is not None and bias is not None and bias.shape != (A,):
         problems.append(f"bias must be (A,) = ({A},), got {tuple(bias.shape)}")
     if query.dim() < 2 or key.dim() != query.dim():
         problems.append(
@@ -202,7 +210,8 @@ def additive_attention(
         query: (..., L, Dq).
         key: (..., S, Dk).
         value: (..., S, Dv).
-        w_query, w_key, w_score, bias: (A, Dq), (A, Dk), (A,), optional (A,).
+        w_query, w_key, w_score, bias: (A, Dq), (A, Dk), (A,), optional (A,). ``w_query`` or
+            ``w_key`` may be ``None`` when that input is already projected to width A.
         attn_mask: bool (True = may attend) or additive float, broadcastable to (..., L, S).
         is_causal: False, True (L == S), "top_left" or "bottom_right".
         dropout_p: attention dropout probability, applied when > 0.

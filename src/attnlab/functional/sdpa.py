@@ -5,15 +5,19 @@
 * **fused** -- torch's own ``F.scaled_dot_product_attention`` (on CPU its flash kernel), used
   whenever it gives the same result: no weights requested, and no dropout on CPU (torch's CPU
   kernel has no dropout and would silently fall back to its slow math path).
+* **weights** -- the weights on demand: scores, weights and output computed together, one block
+  of heads x query rows at a time, written in place into the returned weights, so the extra
+  memory is one block (not the several (B, H, L, S) temporaries of the textbook formula). Used
+  when weights are requested for inference.
 * **eager** -- the readable formula ``masked_softmax(Q K^T * scale) V``, used when the weights
-  are asked for or when the fused kernel cannot do the job well.
+  need gradients, or with dropout on CPU (torch's CPU kernel has no dropout).
 
 Both paths compute the same function: float64 results agree with the NumPy oracle
 :func:`attnlab.reference.scaled_dot_product_attention` to rounding. Which path ran and why is
 told by :func:`explain` (and logged at DEBUG level on the ``attnlab.dispatch`` logger)::
 
     >>> print(explain(q, k, v, return_weights=True))          # doctest: +SKIP
-    eager: return_weights=True -- the fused kernel does not return the weights
+    weights: weights (per head) and output computed together in blocks of 2 head(s) x 1024 ...
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ import torch.nn.functional as F
 from attnlab._checks import causal_alignment, check_dropout, check_mask, check_qkv
 from attnlab.functional._layout import as_4d, grouped_scores, grouped_weighted_sum, with_causal
 from attnlab.functional.softmax import masked_softmax
+from attnlab.masks import causal_mask
+
+inf = float("inf")
 
 logger = logging.getLogger("attnlab.dispatch")
 
@@ -43,16 +50,34 @@ class Dispatch:
         return f"{self.path}: " + "; ".join(self.reasons)
 
 
+WEIGHTS_BLOCK_BYTES = 8 * 2**20  # scores of one block of query rows, on the weights path
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _choose(
     query: torch.Tensor,
     key: torch.Tensor,
     attn_mask: torch.Tensor | None,
     alignment: str | None,
     dropout_p: float,
-    return_weights: bool,
+    return_weights: bool | str,
+    value: torch.Tensor | None = None,
 ) -> Dispatch:
-    if return_weights:
-        return Dispatch("eager", ("return_weights=True -- the fused kernel does not return them",))
+    if return_weights and dropout_p > 0:
+        return Dispatch(
+            "eager", ("return_weights with dropout -- the weights must be the dropped ones",)
+        )
+    if return_weights and _needs_grad(query, key, value, attn_mask):
+        return Dispatch(
+            "eager",
+            (
+                "return_weights with autograd -- the weights need a graph; the weights path "
+                "runs without one (call under torch.no_grad() to use it)",
+            ),
+        )
     if dropout_p > 0 and query.device.type == "cpu":
         return Dispatch(
             "eager",
@@ -73,6 +98,18 @@ def _choose(
         reasons.append(f"{alignment} causal with L={L}, S={S} passed as a bool mask")
     if attn_mask is not None and query.device.type != "cpu":
         reasons.append("fully masked rows zeroed after the kernel")
+    if return_weights:
+        heads, rows = _block_shape(
+            query.shape[1], query.shape[2], key.shape[2], query.element_size()
+        )
+        what = "averaged over heads" if return_weights == "average" else "per head"
+        return Dispatch(
+            "weights",
+            (
+                f"weights ({what}) and output computed together in blocks of {heads} head(s) x "
+                f"{rows} query rows, written in place: extra memory one block, not (B, H, L, S)",
+            ),
+        )
     return Dispatch("fused", tuple(reasons))
 
 
@@ -84,13 +121,13 @@ def explain(
     *,
     is_causal: bool | str = False,
     dropout_p: float = 0.0,
-    return_weights: bool = False,
+    return_weights: bool | str = False,
 ) -> Dispatch:
     """Which path :func:`scaled_dot_product_attention` takes for these inputs, and why."""
     check_qkv(query, key, value)
     alignment = causal_alignment(is_causal, query.shape[-2], key.shape[-2])
-    q, k, _, mask, _ = as_4d(query, key, value, attn_mask)
-    return _choose(q, k, mask, alignment, dropout_p, return_weights)
+    q, k, v, mask, _ = as_4d(query, key, value, attn_mask)
+    return _choose(q, k, mask, alignment, dropout_p, return_weights, v)
 
 
 def scaled_dot_product_attention(
@@ -102,7 +139,7 @@ def scaled_dot_product_attention(
     is_causal: bool | str = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    return_weights: bool = False,
+    return_weights: bool | str = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention with grouped-query heads, masks, dropout and weights.
 
@@ -129,8 +166,10 @@ def scaled_dot_product_attention(
             dot-product attention.
         dropout_p: probability of zeroing an attention weight (survivors are scaled by
             1 / (1 - p)). Applied whenever > 0: pass 0 at evaluation time.
-        return_weights: also return the (B, H, L, S) attention weights (after dropout, exactly
-            the weights that produced the output).
+        return_weights: also return the attention weights: ``True`` per head (B, H, L, S),
+            ``"average"`` averaged over the heads (B, L, S). With dropout they are the dropped
+            weights that produced the output. Under ``torch.no_grad()`` they are computed at
+            bounded extra memory while the output keeps the fused kernel (see :func:`explain`).
 
     Returns:
         The (B, H, L, Ev) output, or ``(output, weights)`` if ``return_weights``.
@@ -154,6 +193,11 @@ def scaled_dot_product_attention(
     """
     check_qkv(query, key, value)
     check_dropout(dropout_p)
+    if return_weights not in (False, True, "average"):
+        raise ValueError(
+            f"return_weights must be False, True (per head) or 'average' (mean over heads); "
+            f"got {return_weights!r}."
+        )
     L, S = query.shape[-2], key.shape[-2]
     alignment = causal_alignment(is_causal, L, S)
     if attn_mask is not None:
@@ -164,14 +208,22 @@ def scaled_dot_product_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
 
-    decision = _choose(q, k, mask, alignment, dropout_p, return_weights)
+    decision = _choose(q, k, mask, alignment, dropout_p, return_weights, v)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("scaled_dot_product_attention %s", decision)
 
     if decision.path == "fused":
-        out = _fused(q, k, v, mask, alignment, scale, dropout_p)
-        return restore(out)
-    out, weights = _eager(q, k, v, mask, alignment, scale, dropout_p)
+        return restore(_fused(q, k, v, mask, alignment, scale, dropout_p))
+    if decision.path == "weights":
+        out, weights = _weights_in_blocks(
+            q, k, v, mask, alignment, scale, return_weights == "average"
+        )
+    else:
+        out, weights = _eager(q, k, v, mask, alignment, scale, dropout_p)
+        if return_weights == "average":
+            weights = weights.mean(1, keepdim=True)
+    if return_weights == "average":  # (B, 1, L, S) -> (B, L, S), in the user's layout
+        return restore(out), restore(weights).squeeze(-3) if query.dim() == 4 else restore(weights)
     return (restore(out), restore(weights)) if return_weights else restore(out)
 
 
@@ -184,6 +236,61 @@ def _eager(q, k, v, mask, alignment, scale, dropout_p):
     if dropout_p > 0:
         weights = F.dropout(weights, dropout_p)
     return grouped_weighted_sum(weights, v), weights  # (B, H, L, Ev), (B, H, L, S)
+
+
+@torch.no_grad()
+def _weights_in_blocks(q, k, v, mask, alignment, scale, average):
+    """Output and weights together, one block of the (B, H, L, S) scores at a time.
+
+    A block is several whole heads of one batch row, or a range of query rows of one head:
+    either way a contiguous slice of the result, written in place. Each block holds complete
+    rows, so its softmax is exact, and its output rows are ``weights_block @ V``. Extra memory
+    is one block (``WEIGHTS_BLOCK_BYTES``); with ``average`` the (B, H, L, S) tensor never
+    exists. Returns the (B, H, L, Ev) output and (B, H, L, S) or (B, 1, L, S) weights.
+    """
+    B, H, L, _ = q.shape
+    Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
+    G = H // Hkv
+    out = q.new_empty(B, H, L, Ev)
+    weights = q.new_zeros(B, 1, L, S) if average else q.new_empty(B, H, L, S)
+    heads, rows = _block_shape(H, L, S, q.element_size())
+    scratch = q.new_empty(heads, rows, S) if average else None
+    m4 = None if mask is None else mask.expand(B, H, L, S)  # a view: nothing is copied
+    qs = q * scale
+    kv_head = torch.arange(H, device=q.device) // G  # query head h reads kv head h // G
+    for b in range(B):
+        for h0 in range(0, H, heads):
+            h1 = min(H, h0 + heads)
+            kb, vb = k[b, kv_head[h0:h1]], v[b, kv_head[h0:h1]]  # (h, S, E), (h, S, Ev)
+            for r0 in range(0, L, rows):
+                r1 = min(L, r0 + rows)
+                w = scratch[: h1 - h0, : r1 - r0] if average else weights[b, h0:h1, r0:r1]
+                torch.matmul(qs[b, h0:h1, r0:r1], kb.transpose(-2, -1), out=w)  # (h, r, S)
+                keep = None if m4 is None else m4[b, h0:h1, r0:r1]
+                if keep is not None and keep.dtype != torch.bool:
+                    w.add_(keep)
+                    keep = None
+                if alignment is not None:
+                    c = causal_mask(L, S, alignment=alignment, device=q.device)[r0:r1]
+                    keep = c.as_subclass(torch.Tensor) if keep is None else keep & c
+                if keep is not None:
+                    w.masked_fill_(~keep, -inf)
+                dead = ~(w.amax(-1, keepdim=True) > -inf) if m4 is not None or alignment else None
+                torch.softmax(w, -1, out=w)
+                if dead is not None and dead.any():
+                    w.masked_fill_(dead, 0.0)  # rows with no attendable key: weights 0
+                torch.matmul(w, vb, out=out[b, h0:h1, r0:r1])  # (h, r, S) @ (h, S, Ev)
+                if average:
+                    weights[b, 0, r0:r1].add_(w.sum(0), alpha=1.0 / H)
+    return out, weights
+
+
+def _block_shape(H: int, L: int, S: int, itemsize: int) -> tuple[int, int]:
+    """(heads, rows) of a block of scores of at most ``WEIGHTS_BLOCK_BYTES``."""
+    per_head = L * S * itemsize
+    if per_head <= WEIGHTS_BLOCK_BYTES:
+        return max(1, min(H, WEIGHTS_BLOCK_BYTES // per_head)), L
+    return 1, max(1, WEIGHTS_BLOCK_BYTES // (S * itemsize))
 
 
 def _fused(q, k, v, mask, alignment, scale, dropout_p):

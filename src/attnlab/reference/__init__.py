@@ -7,6 +7,7 @@ the tests hold the torch functions to these. This package imports NumPy only.
 from attnlab.reference.attention import (
     additive_attention,
     additive_scores,
+    apply_rotary,
     attention,
     concat_scores,
     dot_product_scores,
@@ -22,6 +23,7 @@ from attnlab.reference.masks import causal_mask, padding_mask, sliding_window_ma
 __all__ = [
     "additive_attention",
     "additive_scores",
+    "apply_rotary",
     "attention",
     "causal_mask",
     "concat_scores",

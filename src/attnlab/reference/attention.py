@@ -86,10 +86,11 @@ def general_scores(query, key, weight):
 def additive_scores(query, key, w_query, w_key, w_score, bias=None):
     # [..., L, Dq], [..., S, Dk], [A, Dq], [A, Dk], [A] -> [..., L, S]
     # s_ij = w . tanh(W_q q_i + W_k k_j + b)  (Bahdanau)
-    a = _f64(query) @ _f64(w_query).T  # [..., L, A]
+    # w_query / w_key None: that input is already projected to width A
+    a = _f64(query) if w_query is None else _f64(query) @ _f64(w_query).T  # [..., L, A]
     if bias is not None:
         a = a + _f64(bias)
-    b = _f64(key) @ _f64(w_key).T  # [..., S, A]
+    b = _f64(key) if w_key is None else _f64(key) @ _f64(w_key).T  # [..., S, A]
     hidden = np.tanh(a[..., :, None, :] + b[..., None, :, :])  # [..., L, S, A]
     return hidden @ _f64(w_score)  # [..., L, S]
 
@@ -129,9 +130,13 @@ def scaled_dot_product_attention(
 ):
     # [..., H, L, E], [..., Hkv, S, E], [..., Hkv, S, Ev] -> [..., H, L, Ev]
     # softmax(Q K^T * scale + M) V, query head h reading kv head h // (H // Hkv)
+    # return_weights: True -> weights [..., H, L, S]; "average" -> mean over heads [B, L, S]
     scores = scaled_dot_product_scores(query, key, scale)
     mask = _causal(attn_mask, is_causal, scores.shape[-2], scores.shape[-1])
-    return attention(scores, value, mask, dropout_p=dropout_p, return_weights=return_weights)
+    out = attention(scores, value, mask, dropout_p=dropout_p, return_weights=bool(return_weights))
+    if return_weights == "average" and scores.ndim == 4:
+        return out[0], out[1].mean(axis=-3)
+    return out
 
 
 def additive_attention(
@@ -211,3 +216,17 @@ def hard_attention(
     value = _repeat_kv(_f64(value), weights.shape[-3] if weights.ndim == 4 else 1)
     out = weights @ value
     return (out, weights) if return_weights else out
+
+
+def apply_rotary(x, positions, base=10000.0):
+    # [B, H, L, E], positions [L] or [B, L] -> [B, H, L, E]
+    # rotate each pair (x_i, x_{i+E/2}) of a token at position m by the angle m * base^(-2i/E)
+    x = _f64(x)
+    E = x.shape[-1]
+    theta = base ** (-np.arange(0, E, 2) / E)  # [E/2]
+    angle = np.asarray(positions, dtype=np.float64)[..., None] * theta  # [..., L, E/2]
+    if angle.ndim == 3:  # [B, L, E/2] -> [B, 1, L, E/2]
+        angle = angle[:, None]
+    x1, x2 = x[..., : E // 2], x[..., E // 2 :]
+    cos, sin = np.cos(angle), np.sin(angle)
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

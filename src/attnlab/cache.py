@@ -1,0 +1,332 @@
+"""Key/value caches for incremental decoding.
+
+A decoder that generates one token at a time would recompute the keys and values of the whole
+prefix at every step. A cache keeps them: each step projects only the new tokens and appends
+their keys/values, and attention runs over everything cached::
+
+    step t:   new query (B, H, 1, E)   --attends-->   cached keys (B, Hkv, P + 1, E)
+              the new token sits at position P: bottom-right causal alignment
+
+Every cache has the same interface (as Hugging Face's): ``update(key, value, layer_idx)``
+stores the new keys/values of one layer and returns all of them. Three kinds:
+
+* :class:`DynamicCache` grows as needed (amortised doubling, so appending is O(1) per token).
+* :class:`StaticCache` preallocates ``max_length`` slots: fixed shapes, friendly to
+  ``torch.compile`` and to memory planning; unfilled slots are masked.
+* :class:`SlidingWindowCache` keeps only the last ``window`` tokens in a ring buffer, for
+  layers with sliding-window attention (memory O(window) however long the text).
+
+A cache also records where each slot sits in the sequence (:meth:`Cache.key_positions`) and
+which cached keys are padding (:meth:`Cache.key_padding_mask`), so the layer builds an exact mask
+for any kind. Multi-query and grouped-query layers cache only their Hkv heads: the memory saving
+of MQA/GQA is exactly here.
+
+The cache stores tensors for inference; it is not meant to be backpropagated through.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Cache", "DynamicCache", "SlidingWindowCache", "StaticCache"]
+
+
+class _Layer:
+    """One layer's storage: keys (B, Hkv, C, E), values (B, Hkv, C, Ev), padding (B, C)."""
+
+    def __init__(self, key: torch.Tensor, value: torch.Tensor, capacity: int) -> None:
+        B, Hkv, _, E = key.shape
+        self.keys = key.new_zeros(B, Hkv, capacity, E)
+        self.values = value.new_zeros(B, Hkv, capacity, value.shape[-1])
+        self.real = torch.ones(B, capacity, dtype=torch.bool, device=key.device)
+        self.positions = torch.full((capacity,), -1, dtype=torch.long, device=key.device)
+        self.length = 0  # tokens seen so far (for a ring buffer, more than it holds)
+        self.padded = False  # has any padding been stored?
+        self.view = None  # (keys, values, positions, padding) returned by the last update
+
+    def grow(self, capacity: int) -> None:
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, : old.shape[2]] = old
+            setattr(self, name, new)
+        real = torch.ones(self.real.shape[0], capacity, dtype=torch.bool, device=self.real.device)
+        real[:, : self.real.shape[1]] = self.real
+        self.real = real
+        positions = torch.full((capacity,), -1, dtype=torch.long, device=self.positions.device)
+        positions[: self.positions.shape[0]] = self.positions
+        self.positions = positions
+
+    def write(self, slots, key, value, padding, start: int) -> None:
+        self.keys[:, :, slots] = key
+        self.values[:, :, slots] = value
+        self.positions[slots] = torch.arange(start, start + key.shape[2], device=key.device)
+        if padding is not None:
+            self.real[:, slots] = padding
+            self.padded = True
+        else:
+            self.real[:, slots] = True
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.keys = self.keys.index_select(0, index)
+        self.values = self.values.index_select(0, index)
+        self.real = self.real.index_select(0, index)
+
+
+class Cache:
+    """The interface shared by every cache kind.
+
+    Subclasses decide where new tokens are stored (:meth:`_store`) and what is returned.
+    """
+
+    #: True when cached keys sit in slots 0..S-1 in order, so that the new queries are the last
+    #: L positions: bottom-right causal alignment then needs no explicit mask.
+    in_order = True
+
+    def __init__(self, num_layers: int | None = None) -> None:
+        if num_layers is not None and (not isinstance(num_layers, int) or num_layers < 1):
+            raise ValueError(f"num_layers must be a positive int or None; got {num_layers!r}.")
+        self.num_layers = num_layers
+        self._layers: dict[int, _Layer] = {}
+
+    # -- the interface --------------------------------------------------------------------------
+
+    def update(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_idx: int,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new keys/values of layer ``layer_idx``; return everything attention needs.
+
+        Args:
+            key: (B, Hkv, L, E) keys of the L new tokens.
+            value: (B, Hkv, L, Ev) their values.
+            layer_idx: which layer these belong to (each layer has its own storage).
+            key_padding_mask: optional (B, L) bool, True = real token, False = padding (left-
+                padded prompts of different lengths). Remembered for later steps.
+
+        Returns:
+            (keys, values): (B, Hkv, S, E) and (B, Hkv, S, Ev). :meth:`key_positions` and
+            :meth:`key_padding_mask` describe their S slots.
+        """
+        self._check(key, value, layer_idx, key_padding_mask)
+        layer = self._layers.get(layer_idx)
+        if layer is None:
+            layer = self._layers[layer_idx] = _Layer(key, value, self._initial_capacity(key))
+        start = layer.length
+        layer.view = self._store(layer, key, value, key_padding_mask, start)
+        layer.length += key.shape[2]
+        return layer.view[0], layer.view[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Number of tokens seen by layer ``layer_idx`` (the position of the next token)."""
+        layer = self._layers.get(layer_idx)
+        return 0 if layer is None else layer.length
+
+    def key_positions(self, layer_idx: int) -> torch.Tensor:
+        """(S,) position in the sequence of each slot returned by the last update; -1 = empty."""
+        return self._layer(layer_idx).view[2]
+
+    def key_padding_mask(self, layer_idx: int) -> torch.Tensor | None:
+        """(B, S) bool, True = real token, for the last update's slots; None if no padding."""
+        layer = self._layer(layer_idx)
+        return layer.view[3] if layer.padded else None
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Re-index the batch: beam search reorders rows; a smaller index filters the batch.
+
+        Args:
+            index: (B',) long tensor; row i of the new batch is row ``index[i]`` of the old one.
+        """
+        index = torch.as_tensor(index)
+        if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64):
+            raise TypeError(
+                f"index must be a 1-D integer tensor of batch rows; got {tuple(index.shape)} "
+                f"{index.dtype}."
+            )
+        for layer in self._layers.values():
+            B = layer.keys.shape[0]
+            if len(index) and (int(index.min()) < 0 or int(index.max()) >= B):
+                raise ValueError(f"index must lie in [0, {B}); got {index.tolist()}.")
+            layer.reorder(index.to(layer.keys.device))
+            layer.view = None  # stale until the next update
+
+    def reset(self) -> None:
+        """Forget everything (start a new sequence)."""
+        self._layers.clear()
+
+    @property
+    def batch_size(self) -> int | None:
+        layer = next(iter(self._layers.values()), None)
+        return None if layer is None else layer.keys.shape[0]
+
+    # -- for subclasses -------------------------------------------------------------------------
+
+    def _initial_capacity(self, key: torch.Tensor) -> int:
+        raise NotImplementedError
+
+    def _store(self, layer: _Layer, key, value, padding, start: int):
+        """Store the new tokens; return (keys, values, positions, padding) for attention."""
+        raise NotImplementedError
+
+    def _layer(self, layer_idx: int) -> _Layer:
+        if layer_idx not in self._layers or self._layers[layer_idx].view is None:
+            raise ValueError(
+                f"layer_idx {layer_idx} has nothing cached yet; call update(key, value, "
+                f"{layer_idx}) first."
+            )
+        return self._layers[layer_idx]
+
+    def _check(self, key, value, layer_idx, padding) -> None:
+        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or layer_idx < 0:
+            raise ValueError(f"layer_idx must be an int >= 0; got {layer_idx!r}.")
+        if self.num_layers is not None and layer_idx >= self.num_layers:
+            raise ValueError(
+                f"layer_idx {layer_idx} is out of range for a cache of num_layers="
+                f"{self.num_layers}. Fix: give each layer its index 0..{self.num_layers - 1}."
+            )
+        if key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
+            raise ValueError(
+                f"key and value must be (B, Hkv, L, E) and (B, Hkv, L, Ev); got "
+                f"{tuple(key.shape)} and {tuple(value.shape)}."
+            )
+        if padding is not None and (
+            padding.dtype != torch.bool or padding.shape != (key.shape[0], key.shape[2])
+        ):
+            raise ValueError(
+                f"key_padding_mask must be a (B, L) = {(key.shape[0], key.shape[2])} bool tensor "
+                f"(True = real token) for the new tokens; got {tuple(padding.shape)} "
+                f"{padding.dtype}."
+            )
+        layer = self._layers.get(layer_idx)
+        if layer is None:
+            return
+        if key.dtype != layer.keys.dtype or value.dtype != layer.values.dtype:
+            raise TypeError(
+                f"layer {layer_idx} caches {layer.keys.dtype}; got key {key.dtype}. Fix: keep "
+                f"one dtype per cache, or call reset() to start over."
+            )
+        if key.device != layer.keys.device:
+            raise ValueError(
+                f"layer {layer_idx} caches on {layer.keys.device}; got key on {key.device}. "
+                f"Fix: move the model and cache together."
+            )
+        if key.shape[0] != layer.keys.shape[0]:
+            raise ValueError(
+                f"batch size changed from {layer.keys.shape[0]} to {key.shape[0]} without "
+                f"reorder(). Fix: call cache.reorder(index) to reorder or filter the batch "
+                f"(beam search), or reset() for a new batch."
+            )
+        if key.shape[1] != layer.keys.shape[1] or key.shape[3] != layer.keys.shape[3]:
+            raise ValueError(
+                f"layer {layer_idx} caches (Hkv, E) = {(layer.keys.shape[1], layer.keys.shape[3])}"
+                f"; got {(key.shape[1], key.shape[3])}: is layer_idx wrong? Each layer needs its "
+                f"own index."
+            )
+
+
+class DynamicCache(Cache):
+    """A cache that grows with the sequence (doubling its storage when full).
+
+    Example:
+        >>> cache = DynamicCache()
+        >>> k, v = cache.update(torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8), layer_idx=0)
+        >>> k, v = cache.update(torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8), layer_idx=0)
+        >>> k.shape, cache.get_seq_length(0)
+        (torch.Size([2, 4, 6, 8]), 6)
+    """
+
+    def _initial_capacity(self, key):
+        return max(16, key.shape[2])
+
+    def _store(self, layer, key, value, padding, start):
+        end = start + key.shape[2]
+        if end > layer.keys.shape[2]:
+            layer.grow(max(end, 2 * layer.keys.shape[2]))
+        layer.write(slice(start, end), key, value, padding, start)
+        return (
+            layer.keys[:, :, :end],
+            layer.values[:, :, :end],
+            layer.positions[:end],
+            layer.real[:, :end],
+        )
+
+
+class StaticCache(Cache):
+    """A preallocated cache of ``max_length`` slots per layer: shapes never change.
+
+    ``update`` returns all ``max_length`` slots; the unfilled ones have position -1 and are
+    masked by the layer. Storage is allocated at the first update of each layer, from the
+    key's batch size, heads, width, dtype and device.
+
+    Raises on update past ``max_length`` (with the fix: a larger cache).
+    """
+
+    in_order = False  # S = max_length, not P + L: alignment needs the explicit mask
+
+    def __init__(self, max_length: int, num_layers: int | None = None) -> None:
+        super().__init__(num_layers)
+        if not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length must be a positive int; got {max_length!r}.")
+        self.max_length = max_length
+
+    def _initial_capacity(self, key):
+        return self.max_length
+
+    def _store(self, layer, key, value, padding, start):
+        end = start + key.shape[2]
+        if end > self.max_length:
+            raise ValueError(
+                f"StaticCache of max_length={self.max_length} cannot take {key.shape[2]} more "
+                f"token(s) after {start}. Fix: StaticCache(max_length >= {end}), or a "
+                f"DynamicCache."
+            )
+        layer.write(slice(start, end), key, value, padding, start)
+        return layer.keys, layer.values, layer.positions, layer.real
+
+
+class SlidingWindowCache(Cache):
+    """Keeps the last ``window`` tokens per layer in a ring buffer.
+
+    For layers whose attention is limited to a sliding window of ``window`` keys (the query
+    itself and the ``window - 1`` before it): older keys can never be attended again, so they
+    are overwritten. A decode step returns the ``window`` ring slots (fixed shape); a prefill
+    of several tokens returns the ring plus the new tokens, so every new query still sees its
+    own window.
+    """
+
+    in_order = False  # ring order: positions are tracked per slot
+
+    def __init__(self, window: int, num_layers: int | None = None) -> None:
+        super().__init__(num_layers)
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int; got {window!r}.")
+        self.window = window
+
+    def _initial_capacity(self, key):
+        return self.window
+
+    def _store(self, layer, key, value, padding, start):
+        L, W = key.shape[2], self.window
+        if L == 1:  # decode: overwrite the slot of the token that just left the window
+            layer.write(slice(start % W, start % W + 1), key, value, padding, start)
+            return layer.keys, layer.values, layer.positions, layer.real
+        # prefill: attention needs the old window and every new token; the ring keeps the last W
+        real = padding if padding is not None else torch.ones_like(layer.real[:, :1]).expand(-1, L)
+        view = (
+            torch.cat([layer.keys, key], dim=2),
+            torch.cat([layer.values, value], dim=2),
+            torch.cat([layer.positions, torch.arange(start, start + L, device=key.device)]),
+            torch.cat([layer.real, real], dim=1),
+        )
+        keep = torch.arange(max(0, L - W), L, device=key.device)  # the last W new tokens
+        slots = (start + keep) % W
+        layer.keys[:, :, slots] = key[:, :, keep]
+        layer.values[:, :, slots] = value[:, :, keep]
+        layer.positions[slots] = start + keep
+        layer.real[:, slots] = real[:, keep]
+        layer.padded = layer.padded or padding is not None
+        return view

@@ -1,0 +1,70 @@
+"""Rotary position embedding (RoPE): positions enter attention as rotations of q and k.
+
+Each pair of features (x_i, x_{i + E/2}) of a query or key at position m is rotated by the angle
+m * theta_i, theta_i = base^(-2i / E). A rotation preserves lengths, and the dot product of a
+query rotated by m with a key rotated by n depends on m - n only: attention sees relative
+positions, and a constant shift of all positions (left padding) changes nothing.
+
+Pairs are the two halves of the head dim ("rotate half", as Hugging Face Llama and GPT-NeoX);
+the original RoFormer pairs adjacent features instead -- a fixed permutation of the same thing.
+
+References: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021.
+Oracle: :func:`attnlab.reference.apply_rotary`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab._checks import check_floating
+
+
+def rotary_angles(
+    positions: torch.Tensor,
+    head_dim: int,
+    base: float = 10000.0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles: (..., L) positions -> (..., L, E) each.
+
+    Computed in ``dtype``: float32 (float64 for float64 inputs), never in 16 bits, whose
+    rounding of large angles m * theta would scramble distant positions.
+    """
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotary embeddings; got {head_dim}.")
+    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=dtype) / head_dim
+    inv_freq = base**-exponent  # (E/2,)
+    angles = positions.to(dtype)[..., None] * inv_freq  # (..., L, E/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (..., L, E): the same angle for both halves
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotate queries or keys by their positions.
+
+    Math:
+        .. math:: \\text{rope}(x)_m = x_m \\cos(m\\theta) + \\text{rotate\\_half}(x_m)
+                  \\sin(m\\theta), \\quad \\text{rotate\\_half}([x_1, x_2]) = [-x_2, x_1]
+
+    Args:
+        x: (B, H, L, E) queries or keys (E even).
+        positions: (L,) or (B, L) integer positions.
+        base: the frequency base (10000 in RoFormer; 1e5 or 5e5 in some models).
+
+    Returns:
+        (B, H, L, E), the dtype of ``x`` (angles are computed in float32).
+    """
+    check_floating("x", x)
+    if positions.dim() not in (1, 2) or positions.shape[-1] != x.shape[-2]:
+        raise ValueError(
+            f"positions must be (L,) or (B, L) with L = {x.shape[-2]}; got "
+            f"{tuple(positions.shape)}."
+        )
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos, sin = rotary_angles(positions, x.shape[-1], base, dtype)
+    if positions.dim() == 2:  # (B, L, E) -> (B, 1, L, E): the same positions for every head
+        cos, sin = cos[:, None], sin[:, None]
+    xf = x.to(dtype)
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)

@@ -1,0 +1,344 @@
+"""Multi-head attention: self- and cross-attention, MQA/GQA, RoPE, KV caches, weights on demand.
+
+The layer is projections and bookkeeping around one call of
+:func:`attnlab.functional.scaled_dot_product_attention`::
+
+    x (B, L, D) --q_proj--> (B, L, H*E) --view--> (B, H, L, E) -+
+    y (B, S, Dk) --k_proj--> (B, S, Hkv*E) -----> (B, Hkv, S, E) -+-> sdpa -> (B, H, L, E)
+    y (B, S, Dv) --v_proj--> (B, S, Hkv*E) -----> (B, Hkv, S, E) -+            |
+                                          (B, L, H*E) <--transpose/reshape--+
+                                          --o_proj--> (B, L, D)
+
+``num_kv_heads`` < ``num_heads`` gives grouped-query attention (``num_kv_heads == 1``:
+multi-query): fewer key/value heads to project and, above all, to cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnlab import functional as AF
+from attnlab._checks import check_floating, divisors
+from attnlab.cache import Cache, SlidingWindowCache
+from attnlab.masks import sliding_window_mask
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head (and multi-query / grouped-query) attention.
+
+    Args:
+        d_model: D, the width of the queries and of the output.
+        num_heads: H, query heads.
+        num_kv_heads: Hkv, key/value heads; must divide H. Default H (multi-head); 1 is
+            multi-query attention.
+        head_dim: E; default D // H (then H must divide D).
+        kdim, vdim: widths of the key and value inputs for cross-attention (default D).
+        bias: biases in the four projections.
+        attn_dropout: dropout on the attention weights (training only).
+        out_dropout: dropout on the output (training only).
+        is_causal: default for ``forward``: each position attends only to itself and earlier
+            positions.
+        rope: rotary position embedding of queries and keys (self-attention only): ``True``
+            (base 10000), or a float: the base.
+        sliding_window: each query sees only itself and the ``sliding_window - 1`` positions
+            before it (causal).
+        layer_idx: this layer's index in a :mod:`attnlab.cache` cache.
+
+    Raises:
+        ValueError: at construction, for an inconsistent configuration (the message names both
+            values and the fix).
+
+    Example:
+        >>> mha = MultiHeadAttention(d_model=64, num_heads=8, num_kv_heads=2, is_causal=True)
+        >>> x = torch.randn(3, 10, 64)
+        >>> y, w = mha(x, return_weights=True)
+        >>> y.shape, w.shape
+        (torch.Size([3, 10, 64]), torch.Size([3, 8, 10, 10]))
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        *,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = True,
+        attn_dropout: float = 0.0,
+        out_dropout: float = 0.0,
+        is_causal: bool = False,
+        rope: bool | float = False,
+        sliding_window: int | None = None,
+        layer_idx: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        _check_config(d_model, num_heads, num_kv_heads, head_dim, attn_dropout, out_dropout)
+        head_dim = d_model // num_heads if head_dim is None else head_dim
+        if rope is not False and head_dim % 2:
+            raise ValueError(f"rope needs an even head_dim; got head_dim={head_dim}.")
+        if sliding_window is not None and (
+            not isinstance(sliding_window, int) or sliding_window < 1
+        ):
+            raise ValueError(f"sliding_window must be an int >= 1 or None; got {sliding_window!r}.")
+        self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
+        self.head_dim, self.is_causal, self.layer_idx = head_dim, is_causal, layer_idx
+        self.kdim, self.vdim = kdim or d_model, vdim or d_model
+        self.rope_base = None if rope is False else (10000.0 if rope is True else float(rope))
+        self.sliding_window = sliding_window
+        self.attn_dropout = attn_dropout
+        kw = {"bias": bias, "device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(d_model, num_heads * head_dim, **kw)
+        self.k_proj = nn.Linear(self.kdim, num_kv_heads * head_dim, **kw)
+        self.v_proj = nn.Linear(self.vdim, num_kv_heads * head_dim, **kw)
+        self.o_proj = nn.Linear(num_heads * head_dim, d_model, **kw)
+        self.out_dropout = nn.Dropout(out_dropout)
+
+    def extra_repr(self) -> str:
+        extra = f", rope base {self.rope_base}" if self.rope_base else ""
+        extra += f", sliding_window={self.sliding_window}" if self.sliding_window else ""
+        return (
+            f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads="
+            f"{self.num_kv_heads}, head_dim={self.head_dim}, is_causal={self.is_causal}{extra}"
+        )
+
+    def project_kv(
+        self, key: torch.Tensor, value: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values for cross-attention, computed once per source sequence.
+
+        (B, S, kdim), (B, S, vdim) -> (B, Hkv, S, E), (B, Hkv, S, E). Pass the result as
+        ``kv=`` at every decoder step instead of recomputing the projections.
+        """
+        value = key if value is None else value
+        _check_width("key", key, self.kdim)
+        _check_width("value", value, self.vdim)
+        B, S, _ = key.shape
+        k = self.k_proj(key).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(value).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return k, v  # (B, S, Hkv*E) -> (B, Hkv, S, E)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        *,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attn_mask: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        is_causal: bool | str | None = None,
+        cache: Cache | None = None,
+        position_ids: torch.Tensor | None = None,
+        return_weights: bool = False,
+        average_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend from ``query`` to ``key``/``value`` (or to ``query`` itself).
+
+        Args:
+            query: (B, L, D).
+            key: (B, S, kdim) for cross-attention; None for self-attention.
+            value: (B, S, vdim); defaults to ``key``.
+            kv: precomputed ``project_kv(key, value)`` for cross-attention (instead of key).
+            attn_mask: bool (True = may attend) or additive float, broadcastable to
+                (B, H, L, S).
+            key_padding_mask: (B, S) bool, True = real token. With a ``cache``: (B, L) for the
+                new tokens only; the cache remembers it.
+            is_causal: overrides the layer's default. With a cache, causality is always
+                bottom-right: the new tokens come after the cached ones.
+            cache: a :mod:`attnlab.cache` cache (self-attention only); the new keys/values are
+                appended under ``self.layer_idx``.
+            position_ids: (L,) or (B, L) positions for RoPE; default: after the cached tokens.
+            return_weights: also return the attention weights, (B, H, L, S).
+            average_weights: average the returned weights over heads: (B, L, S).
+
+        Returns:
+            (B, L, D), and the weights if ``return_weights``.
+        """
+        _check_width("query", query, self.d_model)
+        B, L, _ = query.shape
+        q = self.q_proj(query).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+        self_attention = key is None and kv is None  # (B, L, H*E) -> (B, H, L, E) above
+        if kv is not None:
+            k, v = kv
+        else:
+            k, v = self.project_kv(query if key is None else key, value)
+        causal = self.is_causal if is_causal is None else is_causal
+        if not self_attention and (cache is not None or self.rope_base or self.sliding_window):
+            raise ValueError(
+                "cache, rope and sliding_window apply to self-attention only; for cross-"
+                "attention, project the source once with project_kv() and pass kv=."
+            )
+        if cache is not None and self.layer_idx is None:
+            raise ValueError(
+                "this layer has no layer_idx, so it cannot use a cache. Fix: "
+                "MultiHeadAttention(..., layer_idx=i), one index per layer."
+            )
+        past = 0 if cache is None else cache.get_seq_length(self.layer_idx)
+        if self.rope_base is not None:
+            if position_ids is None:
+                position_ids = torch.arange(past, past + L, device=query.device)
+            q = AF.apply_rotary(q, position_ids, self.rope_base)
+            k = AF.apply_rotary(k, position_ids, self.rope_base)
+        mask = None
+        if cache is not None:
+            k, v, mask, causal = self._from_cache(cache, k, v, key_padding_mask, causal, past, L)
+            key_padding_mask = None  # now part of mask
+        elif self.sliding_window is not None:
+            mask = sliding_window_mask(
+                L,
+                k.shape[2],
+                window=self.sliding_window,
+                alignment="bottom_right",
+                device=q.device,
+            ).as_subclass(torch.Tensor)
+            causal = False
+        mask = _combine(mask, attn_mask, key_padding_mask, B, k.shape[2])
+        dropout = self.attn_dropout if self.training else 0.0
+        want = ("average" if average_weights else True) if return_weights else False
+        out = AF.scaled_dot_product_attention(
+            q, k, v, mask, is_causal=causal, dropout_p=dropout, return_weights=want
+        )
+        out, weights = out if return_weights else (out, None)
+        out = out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim)
+        out = self.out_dropout(self.o_proj(out))  # (B, H, L, E) -> (B, L, H*E) -> (B, L, D)
+        return (out, weights) if return_weights else out
+
+    def _from_cache(self, cache, k, v, key_padding_mask, causal, past, L):
+        """Store the new keys/values; return all keys, values, the mask and the alignment."""
+        if isinstance(cache, SlidingWindowCache) and (
+            self.sliding_window is None or self.sliding_window > cache.window
+        ):
+            raise ValueError(
+                f"a SlidingWindowCache of window {cache.window} drops keys this layer still "
+                f"attends to (sliding_window={self.sliding_window}). Fix: "
+                f"MultiHeadAttention(..., sliding_window=w) with w <= {cache.window}."
+            )
+        keys, values = cache.update(k, v, self.layer_idx, key_padding_mask=key_padding_mask)
+        padding = cache.key_padding_mask(self.layer_idx)
+        mask = None if padding is None else padding[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+        if cache.in_order and self.sliding_window is None:
+            # slots 0..S-1 in order: the new queries are the last L -> bottom-right alignment
+            return keys, values, mask, "bottom_right" if causal else False
+        k_pos = cache.key_positions(self.layer_idx)  # (S,), -1 = empty slot
+        q_pos = torch.arange(past, past + L, device=k.device)  # (L,)
+        allowed = (k_pos >= 0)[None, :].expand(L, -1)  # (L, S)
+        if causal:
+            allowed = allowed & (k_pos[None, :] <= q_pos[:, None])
+        if self.sliding_window is not None:
+            allowed = allowed & (q_pos[:, None] - k_pos[None, :] < self.sliding_window)
+        mask = allowed if mask is None else mask & allowed
+        return keys, values, mask, False
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
+        """An attnlab layer with the weights of a ``torch.nn.MultiheadAttention``.
+
+        The result computes the same function. Two conventions differ at the boundary: attnlab
+        layers take ``(B, L, D)`` inputs (torch's module is ``(L, B, D)`` unless
+        ``batch_first``), and attnlab masks mean **True = may attend** where torch's bool
+        ``attn_mask`` and ``key_padding_mask`` mean True = *not* allowed: convert them with
+        :func:`attnlab.masks.from_torch_mask` (float masks are additive in both).
+
+        Raises:
+            ValueError: ``add_bias_kv`` or ``add_zero_attn``, which attnlab does not support.
+        """
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"from_torch expects torch.nn.MultiheadAttention; got {type(module)}.")
+        if module.bias_k is not None or module.add_zero_attn:
+            raise ValueError(
+                "from_torch: add_bias_kv and add_zero_attn have no attnlab equivalent; build "
+                "the torch module without them."
+            )
+        D, H = module.embed_dim, module.num_heads
+        w = module.in_proj_weight
+        bias = module.in_proj_bias is not None
+        layer = cls(
+            D,
+            H,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            bias=bias,
+            attn_dropout=module.dropout,
+            device=module.out_proj.weight.device,
+            dtype=module.out_proj.weight.dtype,
+        )
+        with torch.no_grad():
+            if module._qkv_same_embed_dim:
+                wq, wk, wv = w.chunk(3)
+            else:
+                wq, wk, wv = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
+            for proj, weight in ((layer.q_proj, wq), (layer.k_proj, wk), (layer.v_proj, wv)):
+                proj.weight.copy_(weight)
+            if bias:
+                for proj, b in zip(
+                    (layer.q_proj, layer.k_proj, layer.v_proj),
+                    module.in_proj_bias.chunk(3),
+                    strict=True,
+                ):
+                    proj.bias.copy_(b)
+            layer.o_proj.weight.copy_(module.out_proj.weight)
+            if layer.o_proj.bias is not None:
+                if module.out_proj.bias is None:
+                    layer.o_proj.bias.zero_()
+                else:
+                    layer.o_proj.bias.copy_(module.out_proj.bias)
+        return layer
+
+
+def _combine(mask, attn_mask, key_padding_mask, B, S):
+    """AND (or add) the structural mask, the user's attn_mask and the key padding mask."""
+    if key_padding_mask is not None:
+        if key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (B, S):
+            raise ValueError(
+                f"key_padding_mask must be a (B, S) = {(B, S)} bool tensor, True = real token; "
+                f"got {tuple(key_padding_mask.shape)} {key_padding_mask.dtype}. (A mask from "
+                f"torch.nn.MultiheadAttention means the opposite: convert it with "
+                f"attnlab.masks.from_torch_mask.)"
+            )
+        pad = key_padding_mask[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+        mask = pad if mask is None else mask & pad
+    if attn_mask is None:
+        return mask
+    if mask is None:
+        return attn_mask
+    if attn_mask.dtype == torch.bool:
+        return mask & attn_mask
+    return attn_mask.masked_fill(~mask, float("-inf"))
+
+
+def _check_width(name: str, x: torch.Tensor, width: int) -> None:
+    check_floating(name, x)
+    if x.dim() != 3 or x.shape[-1] != width:
+        raise ValueError(
+            f"{name} must be (B, L, {width}) (batch, length, features); got {tuple(x.shape)}. "
+            f"Fix: layers take batch-first inputs; add a batch dim with .unsqueeze(0) or "
+            f"transpose (L, B, D) inputs with .transpose(0, 1)."
+        )
+
+
+def _check_config(d_model, num_heads, num_kv_heads, head_dim, attn_dropout, out_dropout):
+    for name, n in (("d_model", d_model), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive int; got {n!r}.")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads} (each kv head "
+            f"serves num_heads // num_kv_heads query heads). Fix: num_kv_heads in "
+            f"{divisors(num_heads)}."
+        )
+    if head_dim is None and d_model % num_heads:
+        raise ValueError(
+            f"num_heads={num_heads} must divide d_model={d_model} when head_dim is not given. "
+            f"Fix: num_heads in {divisors(d_model)}, or pass head_dim explicitly."
+        )
+    if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 1):
+        raise ValueError(f"head_dim must be a positive int; got {head_dim!r}.")
+    for name, p in (("attn_dropout", attn_dropout), ("out_dropout", out_dropout)):
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"{name} must be in [0, 1); got {p!r}.")

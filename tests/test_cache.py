@@ -1,0 +1,157 @@
+"""KV caches: decoding token by token equals recomputing the whole prefix, for every kind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.cache import DynamicCache, SlidingWindowCache, StaticCache
+from attnlab.nn import MultiHeadAttention
+
+WINDOW = 4
+
+
+def make_layer(kind, heads, kv_heads, rope, seed=0):
+    torch.manual_seed(seed)
+    window = WINDOW if kind == "sliding" else None
+    return MultiHeadAttention(
+        32, heads, kv_heads, is_causal=True, rope=rope, sliding_window=window, layer_idx=0
+    ).eval()
+
+
+def make_cache(kind, num_layers=None):
+    return {
+        "dynamic": lambda: DynamicCache(num_layers),
+        "static": lambda: StaticCache(24, num_layers),
+        "sliding": lambda: SlidingWindowCache(WINDOW, num_layers),
+    }[kind]()
+
+
+def decode(layer, x, cache, chunks, **kwargs):
+    """Feed x through the layer in chunks of the given sizes, with the cache; concat outputs."""
+    outs, t = [], 0
+    for n in chunks:
+        outs.append(layer(x[:, t : t + n], cache=cache, **kwargs))
+        t += n
+    return torch.cat(outs, dim=1)
+
+
+KINDS = ["dynamic", "static", "sliding"]
+HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
+
+
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("heads,kv_heads", HEADS, ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("chunks", [[1] * 12, [5] + [1] * 7, [3, 4, 1, 2, 2]])
+def test_cached_decoding_equals_recomputation(kind, heads, kv_heads, rope, chunks):
+    layer = make_layer(kind, heads, kv_heads, rope)
+    x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = layer(x)  # the whole prefix at once, no cache
+        cached = decode(layer, x, make_cache(kind), chunks)
+    torch.testing.assert_close(cached, full, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_padded_prompts_of_different_lengths(kind):
+    """Left-padded prompts: each row decodes as if it were alone in the batch."""
+    layer = make_layer(kind, 4, 2, rope=True)
+    g = torch.Generator().manual_seed(2)
+    lengths, P, steps = [6, 3], 6, 4
+    seqs = [torch.randn(1, n + steps, 32, generator=g) for n in lengths]
+    prompt = torch.zeros(2, P, 32)
+    real = torch.zeros(2, P, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        prompt[b, P - n :] = seqs[b][0, :n]
+        real[b, P - n :] = True
+    positions = (real.cumsum(1) - 1).clamp_min(0)  # each row counts from its first real token
+    with torch.no_grad():
+        cache = make_cache(kind)
+        out = [layer(prompt, cache=cache, key_padding_mask=real, position_ids=positions)]
+        for t in range(steps):
+            step = torch.stack([seqs[b][0, n + t] for b, n in enumerate(lengths)])[:, None]
+            pos = torch.tensor([[n + t] for n in lengths])
+            out.append(layer(step, cache=cache, position_ids=pos))
+        out = torch.cat(out, dim=1)
+        for b, n in enumerate(lengths):
+            alone = layer(seqs[b])  # (1, n + steps, 32), no padding, no cache
+            got = torch.cat([out[b, P - n : P], out[b, P:]])
+            torch.testing.assert_close(got, alone[0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reorder_and_filter_for_beam_search(kind):
+    layer = make_layer(kind, 4, 2, rope=True)
+    x = torch.randn(3, 9, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cache = make_cache(kind)
+        first = decode(layer, x[:, :6], cache, [4, 1, 1])
+        beams = torch.tensor([2, 0, 0])
+        cache.reorder(beams)
+        rest = decode(layer, x[beams, 6:], cache, [1, 1, 1])
+        full = layer(x[beams])
+        torch.testing.assert_close(first[beams], full[:, :6], rtol=0, atol=1e-6)
+        torch.testing.assert_close(rest, full[:, 6:], rtol=0, atol=1e-6)
+        cache.reorder(torch.tensor([1]))  # filter: keep one row
+        assert cache.batch_size == 1
+
+
+def test_cache_shapes():
+    layer = make_layer("static", 4, 1, rope=False)
+    static = StaticCache(16)
+    dynamic = DynamicCache()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        for cache in (static, dynamic):
+            layer(x, cache=cache)
+            layer(x[:, :1], cache=cache)
+    assert static._layers[0].keys.shape == (2, 1, 16, 8)  # MQA caches one kv head, fixed size
+    assert static.key_positions(0).tolist() == list(range(6)) + [-1] * 10
+    assert dynamic.key_positions(0).tolist() == list(range(6))
+    assert static.get_seq_length(0) == dynamic.get_seq_length(0) == 6
+
+
+# --- misuse -----------------------------------------------------------------------------------
+
+
+def test_cache_misuse_errors():
+    k = torch.randn(2, 2, 3, 8)
+    cache = DynamicCache(num_layers=2)
+    cache.update(k, k, 0)
+    with pytest.raises(ValueError, match="batch size changed from 2 to 3 without reorder"):
+        cache.update(torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8), 0)
+    with pytest.raises(ValueError, match=r"caches \(Hkv, E\) = \(2, 8\).*is layer_idx wrong"):
+        cache.update(torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8), 0)
+    with pytest.raises(ValueError, match="out of range for a cache of num_layers=2"):
+        cache.update(k, k, 2)
+    with pytest.raises(ValueError, match="layer_idx must be an int >= 0"):
+        cache.update(k, k, -1)
+    with pytest.raises(TypeError, match="caches torch.float32; got key torch.float64"):
+        cache.update(k.double(), k.double(), 0)
+    with pytest.raises(ValueError, match=r"key_padding_mask must be a \(B, L\)"):
+        cache.update(k, k, 1, key_padding_mask=torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="has nothing cached yet"):
+        DynamicCache().key_positions(0)
+    static = StaticCache(4)
+    static.update(k, k, 0)
+    with pytest.raises(ValueError, match=r"max_length=4 cannot take 2 more.*max_length >= 5"):
+        static.update(k[:, :, :2], k[:, :, :2], 0)
+    with pytest.raises(ValueError, match=r"index must lie in \[0, 2\)"):
+        static.reorder(torch.tensor([0, 5]))
+
+
+def test_layer_cache_misuse_errors():
+    x = torch.randn(1, 3, 32)
+    no_idx = MultiHeadAttention(32, 4, is_causal=True)
+    with pytest.raises(ValueError, match="no layer_idx.*layer_idx=i"):
+        no_idx(x, cache=DynamicCache())
+    windowed = MultiHeadAttention(32, 4, is_causal=True, sliding_window=8, layer_idx=0)
+    with pytest.raises(ValueError, match="SlidingWindowCache of window 4 drops keys"):
+        windowed(x, cache=SlidingWindowCache(4))
+    full = MultiHeadAttention(32, 4, is_causal=True, layer_idx=0)
+    with pytest.raises(ValueError, match="drops keys"):
+        full(x, cache=SlidingWindowCache(4))
+    cross = MultiHeadAttention(32, 4, layer_idx=0)
+    with pytest.raises(ValueError, match="self-attention only.*project_kv"):
+        cross(x, torch.randn(1, 5, 32), cache=DynamicCache())
