@@ -1,0 +1,5 @@
+"""Complete models built from attnlab layers."""
+
+from attnlab.models.llama import LlamaConfig, LlamaModel
+
+__all__ = ["LlamaConfig", "LlamaModel"]
