@@ -85,3 +85,14 @@ def test_cli_examples_runs():
     )
     assert bad.returncode == 2 and "unknown example" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_cache_and_rope_examples():
+    r, text = examples.cache_decoding()
+    for kind in ("dynamic", "static", "sliding-window"):
+        assert r[kind]["max_error"] < 1e-6
+    assert r["sliding-window"]["slots"] == 4 and r["static"]["slots"] == 16
+    r, _ = examples.rope_relative()
+    s = r["scores"]
+    assert abs(s[(3, 1)] - s[(10, 8)]) < 1e-5 and abs(s[(3, 1)] - s[(100, 98)]) < 1e-4
+    assert abs(s[(3, 1)] - s[(3, 0)]) > 1e-3
