@@ -95,6 +95,12 @@ def test_dispatch_paths_and_reasons(monkeypatch):
     AF.scaled_dot_product_attention(q, k, v, return_weights=True)
     AF.scaled_dot_product_attention(q.requires_grad_(), k, v, return_weights=True)
     assert len(calls) == 1  # the weights and eager paths compute the output themselves
+    q2, k2, v2 = qkv(L=7, S=7)
+    AF.scaled_dot_product_attention(q2, k2, v2, is_causal="bottom_right")  # L == S
+    assert calls[-1]["is_causal"] and calls[-1]["attn_mask"] is None  # no dense mask
+    q3 = q2[:, :, :1]
+    AF.scaled_dot_product_attention(q3, k2, v2, is_causal="bottom_right")  # one decode step
+    assert not calls[-1]["is_causal"] and calls[-1]["attn_mask"] is None  # sees every key
 
 
 def test_dispatch_is_logged(caplog):

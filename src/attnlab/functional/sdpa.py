@@ -90,7 +90,9 @@ def _choose(
     if key.shape[1] != query.shape[1]:
         reasons.append(f"grouped-query heads H={query.shape[1]}, Hkv={key.shape[1]} (enable_gqa)")
     L, S = query.shape[-2], key.shape[-2]
-    if alignment == "top_left" and attn_mask is None:
+    if alignment is not None and L == S and attn_mask is None:
+        reasons.append("is_causal (L == S: top-left and bottom-right coincide)")
+    elif alignment == "top_left" and attn_mask is None:
         reasons.append("is_causal (top-left)")
     elif alignment == "bottom_right" and L == 1:
         reasons.append("bottom-right causal with one query sees every key: no mask needed")
@@ -296,6 +298,8 @@ def _block_shape(H: int, L: int, S: int, itemsize: int) -> tuple[int, int]:
 def _fused(q, k, v, mask, alignment, scale, dropout_p):
     """torch's fused kernel, with attnlab's mask and causal semantics."""
     L, S = q.shape[-2], k.shape[-2]
+    if alignment == "bottom_right" and L == S:
+        alignment = "top_left"  # the same triangle: let torch use its is_causal fast path
     torch_causal = alignment == "top_left" and mask is None
     if alignment == "bottom_right" and L == 1:
         alignment = None  # the last position sees every key
