@@ -108,3 +108,13 @@ def test_dispatch_is_logged(caplog):
     with caplog.at_level(logging.DEBUG, logger="attnlab.dispatch"):
         AF.scaled_dot_product_attention(q, k, v, dropout_p=0.2)
     assert any("eager" in r.getMessage() for r in caplog.records)
+
+
+def test_fused_path_compiles_without_graph_breaks():
+    q, k, v = (t.float() for t in qkv(L=4, S=4))
+    f = torch.compile(
+        lambda q, k, v: AF.scaled_dot_product_attention(q, k, v, is_causal=True),
+        backend="aot_eager",
+        fullgraph=True,
+    )
+    torch.testing.assert_close(f(q, k, v), AF.scaled_dot_product_attention(q, k, v, is_causal=True))

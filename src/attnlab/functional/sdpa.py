@@ -211,8 +211,8 @@ def scaled_dot_product_attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
 
     decision = _choose(q, k, mask, alignment, dropout_p, return_weights, v)
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("scaled_dot_product_attention %s", decision)
+    if not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG):
+        logger.debug("scaled_dot_product_attention %s", decision)  # (dynamo cannot trace logging)
 
     if decision.path == "fused":
         return restore(_fused(q, k, v, mask, alignment, scale, dropout_p))
