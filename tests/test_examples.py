@@ -96,3 +96,10 @@ def test_cache_and_rope_examples():
     s = r["scores"]
     assert abs(s[(3, 1)] - s[(10, 8)]) < 1e-5 and abs(s[(3, 1)] - s[(100, 98)]) < 1e-4
     assert abs(s[(3, 1)] - s[(3, 0)]) > 1e-3
+
+
+def test_real_model_example():
+    r, text = examples.real_model_weights()
+    assert r["attends_most"] == "river"  # layer 0, head 2: "bank" looks at "river"
+    assert r["max_abs_diff_vs_eager"] < 1e-5
+    assert "river" in text

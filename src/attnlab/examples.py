@@ -180,9 +180,7 @@ def cache_decoding() -> tuple[dict, str]:
             f"  {kind:>14} cache: {stored:2d} slots of (Hkv=2, E=8) per layer; "
             f"decode vs recompute max |diff| = {err:.1e}"
         )
-    lines.append(
-        "  the same layer as plain MHA would cache 8 kv heads: 4x the memory of GQA's 2"
-    )
+    lines.append("  the same layer as plain MHA would cache 8 kv heads: 4x the memory of GQA's 2")
     return result, "\n".join(lines)
 
 
@@ -206,6 +204,13 @@ def rope_relative() -> tuple[dict, str]:
     return {"scores": scores}, "\n".join(lines)
 
 
+def real_model_weights() -> tuple[dict, str]:
+    """Attention weights of a real pretrained model (MiniLM) computed by attnlab's kernels."""
+    from attnlab.integrations.hf_examples import weights_from_real_model
+
+    return weights_from_real_model()
+
+
 EXAMPLES: dict[str, tuple[str, Callable[[], tuple[dict, str]]]] = {
     "five-tokens": ("Dot-product attention of five tokens with themselves", five_tokens),
     "four-words": ("Scaled dot-product attention, NumPy and torch", four_words),
@@ -213,6 +218,7 @@ EXAMPLES: dict[str, tuple[str, Callable[[], tuple[dict, str]]]] = {
     "head-sharing": ("Multi-head, grouped-query and multi-query attention", seed004_shapes),
     "kv-cache": ("A grouped-query layer decoding with each KV cache", cache_decoding),
     "rope": ("Rotary position embedding sees relative positions", rope_relative),
+    "real-model": ("Attention weights of MiniLM (BERT), run on attnlab", real_model_weights),
 }
 
 
@@ -225,7 +231,11 @@ def run(names: list[str] | None = None, echo: Callable[[str], None] = print) -> 
     for name, (title, fn) in EXAMPLES.items():
         if names and name not in names:
             continue
-        result, text = fn()
+        try:
+            result, text = fn()
+        except ImportError as e:  # an optional part (transformers, a model wheel) is missing
+            echo(f"== {name}: {title} ==\nskipped: {e}\n")
+            continue
         echo(f"== {name}: {title} ==\n{text}\n")
         results[name] = result
     return results

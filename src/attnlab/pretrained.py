@@ -225,7 +225,9 @@ def load_model(
     Args:
         name: A key of :data:`MODELS`.
         attn_implementation: Passed to ``from_pretrained``. ``"eager"`` (default) is the only
-            built-in one that returns attention weights with ``output_attentions=True``.
+            built-in one that returns attention weights with ``output_attentions=True``;
+            ``"attnlab"`` runs attnlab's kernels and returns them too (registered here
+            automatically, see :mod:`attnlab.integrations.transformers`).
         dtype: Parameter dtype.
         source: ``"auto"`` loads what :func:`model_dir` gives (the cached copy for GGUF models);
             ``"gguf"`` dequantises the GGUF file itself (slow: the reference the cache must match).
@@ -256,6 +258,10 @@ def load_model(
     else:
         path, extra = model_dir(name), {}
         transformers = _import_transformers()
+    if attn_implementation == "attnlab":  # must be in transformers' registry before loading
+        from attnlab.integrations.transformers import register
+
+        register()
     auto_class = getattr(transformers, spec.auto_class)
     with _offline():
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, **extra)

@@ -1,0 +1,8 @@
+"""Drop-in use of attnlab's kernels inside other libraries' models.
+
+* :mod:`attnlab.integrations.transformers` -- Hugging Face ``transformers`` models run on
+  :func:`attnlab.functional.scaled_dot_product_attention` with
+  ``attn_implementation="attnlab"``, and return attention weights on request.
+
+Nothing is imported here: each integration imports its library only when it is used.
+"""
