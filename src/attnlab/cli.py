@@ -14,6 +14,10 @@ import sys
 # name -> (module, one-line help)
 COMMANDS = {
     "examples": ("attnlab.cli_examples", "print the worked examples of the tutorials"),
+    "explain": (
+        "attnlab.viz.cmd_explain",
+        "draw a real model's attention: heatmaps, embedding movement, an offline HTML explorer",
+    ),
 }
 
 

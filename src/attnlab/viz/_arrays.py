@@ -1,0 +1,66 @@
+"""Turning what callers pass (tensors, arrays, token lists) into checked NumPy arrays."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def to_numpy(x: Any, name: str, dtype: Any = np.float64) -> np.ndarray:
+    """A torch tensor or array-like as a NumPy array (detached, on the CPU)."""
+    if hasattr(x, "detach"):  # torch.Tensor, without importing torch here
+        x = x.detach().float().cpu().numpy()
+    try:
+        arr = np.asarray(x, dtype=dtype)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{name} must be an array or tensor of numbers; got {type(x).__name__}"
+        ) from e
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise ValueError(f"{name} contains NaN or inf; check the masking of padded positions")
+    return arr
+
+
+def squeeze_batch(arr: np.ndarray, name: str, ndim: int, legend: str) -> np.ndarray:
+    """Drop leading batch dims of size 1 until ``arr`` has ``ndim`` dims."""
+    while arr.ndim > ndim and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != ndim:
+        raise ValueError(
+            f"{name} must be {legend}; got shape {arr.shape}. "
+            "Fix: select one sentence of the batch (weights[0]) first"
+        )
+    return arr
+
+
+def attention_map(weights: Any, name: str = "weights") -> np.ndarray:
+    """One attention map ``[L, S]`` (leading dims of size 1 are dropped)."""
+    return squeeze_batch(to_numpy(weights, name), name, 2, "one attention map [L, S]")
+
+
+def check_tokens(tokens: Sequence[str] | None, n: int, name: str) -> list[str]:
+    """``tokens`` as a list of ``n`` strings; ``None`` gives position numbers."""
+    if tokens is None:
+        return [str(i) for i in range(n)]
+    if isinstance(tokens, str):
+        raise TypeError(f"{name} must be a list of token strings, not one string; use text.split()")
+    tokens = [str(t) for t in tokens]
+    if len(tokens) != n:
+        raise ValueError(f"{name} has {len(tokens)} tokens but the weights have {n} positions")
+    return tokens
+
+
+def label_step(n: int, length_pt: float, font_pt: float) -> int:
+    """Show every ``step``-th of ``n`` labels along an axis ``length_pt`` points long, so that
+    labels of size ``font_pt`` never overlap (1.25 line heights apart at least)."""
+    if n <= 1:
+        return 1
+    return max(1, math.ceil(n * font_pt * 1.25 / max(length_pt, 1.0)))
+
+
+def short(token: str, width: int = 14) -> str:
+    """A token label cut to ``width`` characters (with an ellipsis)."""
+    return token if len(token) <= width else token[: width - 1] + "…"

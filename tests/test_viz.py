@@ -1,0 +1,557 @@
+"""attnlab.viz without models or a browser: the pictures hold the values they claim to show.
+
+Every figure test reads numbers back out of the figure (image arrays, arrow offsets, line
+widths, rendered pixels), not only that it was drawn.
+"""
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("matplotlib")
+
+from attnlab.viz import (  # noqa: E402
+    Trace,
+    build_explorer,
+    fit_pca,
+    merge_subwords,
+    plot_alignment,
+    plot_attention,
+    plot_attention_grid,
+    plot_head_movements,
+    plot_movement,
+    plot_trajectories,
+    plot_word_distances,
+    save_figure,
+    trace_layer,
+    trace_translation,
+    word_distances,
+)
+from attnlab.viz.explorer import explorer_data, quantize_rows  # noqa: E402
+from attnlab.viz.movement import MAX_PULL_WIDTH  # noqa: E402
+
+SENTENCE = "Write a poem about a man fishing on a river bank".split()
+
+
+def random_weights(rng, *shape):
+    """Rows that sum to 1, with distinct values (so argmax is unique)."""
+    w = rng.random(shape) ** 3 + 1e-3
+    return w / w.sum(-1, keepdims=True)
+
+
+def rendered(fig):
+    """The figure's pixels as an (h, w, 3) float array."""
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba())[..., :3].astype(float)
+
+
+# ---------------------------------------------------------------------------------------------
+# import cost
+
+
+def test_import_attnlab_viz_does_not_import_matplotlib_or_torch():
+    code = (
+        "import sys, attnlab, attnlab.viz, attnlab.viz.projection, attnlab.viz.explorer\n"
+        "print(sorted(m for m in ('matplotlib', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------------
+# heatmaps
+
+
+def test_heatmap_image_is_the_weights_and_the_brightest_cell_is_the_max():
+    rng = np.random.default_rng(0)
+    W = random_weights(rng, 11, 11)
+    fig = plot_attention(W, SENTENCE, title="t")
+    ax = fig.axes[0]
+    np.testing.assert_array_equal(ax.images[0].get_array(), W)
+    assert [t.get_text() for t in ax.get_yticklabels()] == SENTENCE
+    # the rendered pixel at each cell's centre: the brightest (viridis: yellow) is the max weight
+    pixels = rendered(fig)
+    height = pixels.shape[0]
+    luminance = np.zeros_like(W)
+    for i, j in np.ndindex(W.shape):
+        x, y = ax.transData.transform((j + 0.3, i + 0.3))  # off-centre: avoid the cell's number
+        luminance[i, j] = pixels[int(height - y), int(x)] @ [0.299, 0.587, 0.114]
+    assert np.unravel_index(luminance.argmax(), W.shape) == np.unravel_index(W.argmax(), W.shape)
+    # and brighter means more weight everywhere (viridis' luminance rises monotonically)
+    order = np.argsort(W, axis=None)
+    assert (np.diff(luminance.ravel()[order]) >= -1.0).all()
+
+
+def test_heatmap_takes_tensors_with_batch_dims_and_checks_tokens():
+    W = torch.softmax(torch.randn(1, 1, 4, 6), -1)
+    fig = plot_attention(W, list("abcd"), list("uvwxyz"))
+    np.testing.assert_allclose(fig.axes[0].images[0].get_array(), W[0, 0].numpy(), rtol=1e-6)
+    with pytest.raises(ValueError, match="query_tokens has 3 tokens"):
+        plot_attention(W, list("abc"))
+    with pytest.raises(ValueError, match="one attention map"):
+        plot_attention(torch.rand(2, 4, 4))
+
+
+def test_heatmap_labels_never_overlap_for_long_inputs():
+    rng = np.random.default_rng(1)
+    tokens = [f"token{i}" for i in range(300)]
+    fig = plot_attention(random_weights(rng, 300, 300), tokens)
+    from matplotlib.colors import PowerNorm
+
+    norm = fig.axes[0].images[0].norm  # long maps: colour ∝ √weight, the bar keeps true values
+    assert isinstance(norm, PowerNorm) and norm.gamma == 0.5
+    assert "√" in fig.axes[1].get_ylabel()
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    ys = [t for t in ax.get_yticklabels() if t.get_text()]
+    assert 5 < len(ys) < 300  # thinned, with positions
+    boxes = [t.get_window_extent(renderer) for t in ys]
+    for a, b in zip(boxes, boxes[1:], strict=False):
+        assert not a.overlaps(b), (a, b)
+    # x labels are slanted: parallel text lines, apart by (tick spacing) x sin(angle) across
+    xs = [t for t in ax.get_xticklabels() if t.get_text()]
+    assert 5 < len(xs) < 300
+    angle = np.radians(xs[0].get_rotation())
+    anchors = [ax.transData.transform((tick, 0))[0] for tick in ax.get_xticks()]
+    height = xs[0].get_fontsize() * fig.dpi / 72  # one line of text, in pixels
+    assert min(np.diff(anchors)) * np.sin(angle) >= 1.2 * height
+
+
+def test_grid_tiles_every_layer_and_head_and_the_mean():
+    rng = np.random.default_rng(2)
+    A = random_weights(rng, 3, 4, 5, 5)  # [layers, H, L, S]
+    fig = plot_attention_grid(A, list("abcde"), title="grid")
+    mosaic = fig.axes[0].images[0].get_array()
+    gap = max(1, round(0.12 * 5))
+    for layer in range(3):
+        for col in range(5):
+            r, c = layer * (5 + gap), col * (5 + gap)
+            expected = A[layer, col] if col < 4 else A[layer].mean(0)
+            np.testing.assert_allclose(mosaic[r : r + 5, c : c + 5], expected)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()][-1] == "mean of heads"
+
+
+def test_grid_averages_long_maps_down_keeping_the_mass():
+    rng = np.random.default_rng(3)
+    A = random_weights(rng, 1, 2, 200, 200)
+    fig = plot_attention_grid(A, max_cells=50)
+    mosaic = np.ma.filled(fig.axes[0].images[0].get_array(), np.nan)
+    block = mosaic[:50, :50]
+    # each cell is the mean of a 4 x 4 block of weights, so a row of 50 cells holds the mass
+    # of 4 weight rows (4 x 1) divided by 16 cells per block
+    np.testing.assert_allclose(block.sum(1), 4 / 16, rtol=1e-9)
+    assert "averaged down from 200 x 200" in fig._suptitle.get_text()
+
+
+def test_alignment_overlay_marks_sure_and_possible_links_and_scores_aer():
+    from matplotlib.patches import Rectangle
+
+    from attnlab.data import Alignment, aer, attention_to_links
+
+    W = np.array([[0.8, 0.1, 0.1], [0.1, 0.2, 0.7], [0.3, 0.6, 0.1]])  # [T, S]
+    ref = Alignment(frozenset({(0, 0), (2, 1)}), frozenset({(0, 0), (2, 1), (1, 2)}))
+    fig = plot_alignment(W, ["the", "old", "man"], ["el", "hombre", "viejo"], ref, title="x")
+    ax = fig.axes[0]
+    rects = [p for p in ax.patches if isinstance(p, Rectangle)]
+    solid = sorted(
+        (round(r.get_x() + 0.45), round(r.get_y() + 0.45))
+        for r in rects
+        if r.get_linestyle() != "--"
+    )
+    dashed = sorted(
+        (round(r.get_x() + 0.45), round(r.get_y() + 0.45))
+        for r in rects
+        if r.get_linestyle() == "--"
+    )
+    assert solid == [(0, 0), (2, 1)] and dashed == [(1, 2)]
+    links = attention_to_links(W)
+    assert f"AER {aer(links, ref.sure, ref.possible):.2f}" in ax.get_title()
+    dots = ax.lines[0].get_xydata()
+    assert sorted(map(tuple, dots.astype(int))) == sorted(links)
+    with pytest.raises(ValueError, match="outside the 3 source x 3 target words"):
+        plot_alignment(W, list("abc"), list("xyz"), (set(), {(5, 0)}))
+
+
+# ---------------------------------------------------------------------------------------------
+# projection and movement
+
+
+def test_pca_matches_numpy_svd_and_is_deterministic_with_a_sign_convention():
+    rng = np.random.default_rng(4)
+    for shape in [(22, 384), (600, 40), (5, 3)]:
+        X = rng.normal(size=shape) * np.linspace(3, 0.5, shape[1])
+        pca = fit_pca(X)
+        _, s, Vt = np.linalg.svd(X - X.mean(0), full_matrices=False)
+        cos = np.abs((pca.components * Vt[:2]).sum(1))
+        np.testing.assert_allclose(cos, 1.0, atol=1e-9)
+        np.testing.assert_allclose(pca.explained, s[:2] ** 2 / (s**2).sum(), rtol=1e-9)
+        for row in pca.components:  # the sign convention: largest coordinate positive
+            assert row[np.argmax(np.abs(row))] > 0
+        again = fit_pca(X.copy())
+        np.testing.assert_array_equal(again.components, pca.components)
+        # the same cloud, mirrored, gets the same axes: the picture does not flip
+        np.testing.assert_allclose(fit_pca(-X).components, pca.components, atol=1e-9)
+
+
+def test_pca_is_fitted_on_all_sets_together():
+    rng = np.random.default_rng(5)
+    before, after = rng.normal(size=(6, 8)), rng.normal(size=(6, 8)) + 5
+    pca = fit_pca(before, after)
+    stacked = fit_pca(np.concatenate([before, after]))
+    np.testing.assert_array_equal(pca.components, stacked.components)
+    np.testing.assert_allclose(pca.mean, np.concatenate([before, after]).mean(0))
+    with pytest.raises(ValueError, match="same last dim"):
+        fit_pca(before, rng.normal(size=(6, 7)))
+
+
+def test_movement_arrows_go_from_before_to_after_and_pulls_are_proportional_to_weights():
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(11, 16))
+    W = random_weights(rng, 11, 11)
+    after = x + 0.5 * (W @ x)
+    fig = plot_movement(x, after, SENTENCE, W, focus="bank", title="m")
+    ax = fig.axes[0]
+    pca = fit_pca(x, after)
+    (arrows,) = [c for c in ax.collections if c.get_gid() == "moves"]
+    np.testing.assert_allclose(arrows.get_offsets(), pca(x))
+    np.testing.assert_allclose(np.c_[arrows.U, arrows.V], pca(after) - pca(x))
+    (pulls,) = [c for c in ax.collections if c.get_gid() == "pulls"]
+    focus = 10
+    others = [j for j in range(11) if j != focus]
+    widths = np.asarray(pulls.get_linewidths())
+    ratio = widths / W[focus, others]
+    np.testing.assert_allclose(ratio, ratio[0])  # proportional
+    assert widths.max() == pytest.approx(MAX_PULL_WIDTH * W[focus, others].max() / W[focus].max())
+    # each pull line starts at the focus token's old position and ends at the other token's
+    P0 = pca(x)
+    for seg, j in zip(pulls.get_segments(), others, strict=True):
+        np.testing.assert_allclose(seg, [P0[focus], P0[j]])
+
+
+def test_movement_keeps_far_out_tokens_out_of_the_view():
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(6, 8))
+    x[0] *= 500  # an "attention sink" with a huge vector
+    W = random_weights(rng, 6, 6)
+    keep = [False, True, True, True, True, True]
+    fig = plot_movement(x, x + 0.1, list("abcdef"), W, focus=5, fit_on=keep)
+    ax = fig.axes[0]
+    P0 = fit_pca(x[1:], x[1:] + 0.1)(x)
+    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    inside = (P0[:, 0] >= x0) & (P0[:, 0] <= x1) & (P0[:, 1] >= y0) & (P0[:, 1] <= y1)
+    assert inside.tolist() == keep
+    assert any(t.get_text().startswith("a (off chart, ") for t in ax.texts)
+
+
+def test_head_movements_share_one_projection_and_draw_one_panel_per_head():
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(5, 8))
+    writes = rng.normal(size=(3, 5, 8)) * 0.1
+    W = random_weights(rng, 3, 5, 5)
+    fig = plot_head_movements(
+        x, x + writes, list("abcde"), W, focus=4, layer_after=x + writes.sum(0), title="heads"
+    )
+    axes = [a for a in fig.axes if a.get_visible()]
+    assert [a.get_title() for a in axes] == ["head 0", "head 1", "head 2", "all heads"]
+    pca = fit_pca(x, x + writes.sum(0))
+    for h, ax in enumerate(axes[:3]):
+        (arrows,) = [c for c in ax.collections if c.get_gid() == "moves"]
+        np.testing.assert_allclose(arrows.get_offsets(), pca(x))
+        np.testing.assert_allclose(np.c_[arrows.U, arrows.V], pca(x + writes[h]) - pca(x))
+        (pulls,) = [c for c in ax.collections if c.get_gid() == "pulls"]
+        ratio = np.asarray(pulls.get_linewidths()) / W[h, 4, :4]
+        np.testing.assert_allclose(ratio, ratio[0])
+
+
+def test_trajectories_follow_the_focus_token_through_the_layers():
+    rng = np.random.default_rng(9)
+    states = rng.normal(size=(4, 5, 8))
+    fig = plot_trajectories(states, list("abcde"), focus="c", normalize=False)
+    ax = fig.axes[0]
+    P = fit_pca(states)(states)
+    focus_line = [ln for ln in ax.lines if ln.get_linewidth() == 2][0]
+    np.testing.assert_allclose(focus_line.get_xydata(), P[:, 2])
+
+
+def test_word_distance_plot_has_one_curve_per_comparison():
+    fig = plot_word_distances({"A-B": [0.0, 0.2, 0.3], "A-C": [0.0, 0.1, 0.1]}, word="bank")
+    lines = fig.axes[0].lines
+    assert [ln.get_ydata().tolist() for ln in lines] == [[0.0, 0.2, 0.3], [0.0, 0.1, 0.1]]
+    assert "bank" in fig.axes[0].get_ylabel()
+
+
+# ---------------------------------------------------------------------------------------------
+# deterministic files
+
+
+def png_text_chunks(data: bytes) -> dict[str, str]:
+    """The tEXt/iTXt/zTXt chunks and any tIME chunk of a PNG file."""
+    out, pos = {}, 8
+    while pos < len(data):
+        length = int.from_bytes(data[pos : pos + 4], "big")
+        kind = data[pos + 4 : pos + 8].decode("ascii")
+        body = data[pos + 8 : pos + 8 + length]
+        if kind in ("tEXt", "iTXt", "zTXt"):
+            key, _, value = body.partition(b"\0")
+            out[key.decode()] = value.decode("latin-1")
+        elif kind == "tIME":
+            out["tIME"] = body.hex()
+        pos += 12 + length
+    return out
+
+
+def test_png_bytes_depend_only_on_the_input(tmp_path):
+    rng = np.random.default_rng(10)
+    W = random_weights(rng, 11, 11)
+    x = rng.normal(size=(11, 16))
+    paths = []
+    for run in range(2):
+        paths.append(save_figure(plot_attention(W, SENTENCE), tmp_path / f"heat{run}.png"))
+        paths.append(
+            save_figure(
+                plot_movement(x, x + W @ x, SENTENCE, W, focus=10), tmp_path / f"move{run}.png"
+            )
+        )
+    assert paths[0].read_bytes() == paths[2].read_bytes()
+    assert paths[1].read_bytes() == paths[3].read_bytes()
+    data = paths[0].read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    chunks = png_text_chunks(data)
+    assert "tIME" not in chunks and "Software" not in chunks and "Creation Time" not in chunks
+    with pytest.raises(ValueError, match="end it in .png"):
+        save_figure(plot_attention(W), tmp_path / "x.jpg")
+
+
+# ---------------------------------------------------------------------------------------------
+# traces from attnlab layers and translators
+
+
+def two_layer_trace(seed=0, L=11, D=16, H=4):
+    """A Trace of two stacked attnlab MultiHeadAttention layers on random token vectors."""
+    from attnlab.nn import MultiHeadAttention
+
+    torch.manual_seed(seed)
+    layers = [MultiHeadAttention(D, H).eval() for _ in range(2)]
+    x = torch.randn(L, D)
+    tokens = SENTENCE if L == 11 else [f"t{i}" for i in range(L)]
+    t1 = trace_layer(layers[0], x, tokens)
+    t2 = trace_layer(layers[1], t1.hidden_states[1], tokens)
+    return (
+        Trace(
+            tokens=tokens,
+            attentions=np.concatenate([t1.attentions, t2.attentions]),
+            hidden_states=np.concatenate([t1.hidden_states, t2.hidden_states[1:]]),
+            context=np.concatenate([t1.context, t2.context]),
+            out_weight=np.concatenate([t1.out_weight, t2.out_weight]),
+            out_bias=np.concatenate([t1.out_bias, t2.out_bias]),
+            model="attnlab MultiHeadAttention x 2",
+            text=" ".join(tokens),
+        ),
+        layers,
+        x,
+    )
+
+
+def test_trace_layer_records_weights_and_each_heads_write():
+    trace, (mha, _), x = two_layer_trace()
+    with torch.no_grad():
+        out, w = mha(x[None], return_weights=True)
+    np.testing.assert_allclose(trace.attentions[0], w[0].numpy(), atol=1e-6)
+    np.testing.assert_allclose(trace.after_attention(0), (x + out[0]).numpy(), atol=1e-5)
+    writes = trace.head_writes(0)  # [H, L, D]
+    np.testing.assert_allclose(
+        writes.sum(0) + mha.o_proj.bias.detach().numpy(), out[0].numpy(), atol=1e-5
+    )
+    np.testing.assert_allclose(trace.after_head(0, 2), x.numpy() + writes[2], atol=1e-6)
+    assert trace.word_tokens("bank") == [10]
+    assert trace.find_focus(None) == 10 and trace.find_focus("river") == 9
+
+
+def test_trace_layer_of_seed_self_attention_moves_tokens_to_the_weighted_average():
+    from attnlab.nn import SelfAttention
+
+    torch.manual_seed(1)
+    layer = SelfAttention(8, 4, 8).eval()
+    x = torch.randn(5, 8)
+    trace = trace_layer(layer, x, list("abcde"), residual=False)
+    W = trace.weights(0)
+    np.testing.assert_allclose(
+        trace.after_attention(0), W @ layer.v_proj(x).detach().numpy(), atol=1e-5
+    )
+    with pytest.raises(ValueError, match="use d_v == d_in"):
+        trace_layer(SelfAttention(8, 4, 6), x)
+
+
+def test_trace_checks_layers_heads_and_words():
+    trace, _, _ = two_layer_trace()
+    with pytest.raises(ValueError, match="layer 2 is out of range: .* has 2 layers"):
+        trace.weights(2)
+    with pytest.raises(ValueError, match="head 4 is out of range"):
+        trace.weights(0, 4)
+    with pytest.raises(ValueError, match="'boat' is not in"):
+        trace.find_focus("boat")
+    np.testing.assert_allclose(trace.weights(-1), trace.attentions[1].mean(0))
+
+
+def test_word_distances_are_cosine_distances_of_the_words_vectors():
+    rng = np.random.default_rng(11)
+
+    def make(text, states):
+        words = text.split()
+        spans, pos = [], 0
+        for w in words:
+            pos = text.index(w, pos)
+            spans.append((pos, pos + len(w)))
+            pos += len(w)
+        return Trace(
+            tokens=words,
+            attentions=np.full((2, 1, len(words), len(words)), 1 / len(words)),
+            hidden_states=states,
+            text=text,
+            offsets=spans,
+        )
+
+    a = make("river bank", rng.normal(size=(3, 2, 4)))
+    b = make("the bank deposit", rng.normal(size=(3, 3, 4)))
+    D = word_distances([a, b], "Bank")
+    for layer in range(3):
+        u, v = a.hidden_states[layer, 1], b.hidden_states[layer, 1]
+        expected = 1 - u @ v / np.linalg.norm(u) / np.linalg.norm(v)
+        assert D[0, layer] == pytest.approx(expected, rel=1e-5)
+    with pytest.raises(ValueError, match="'fish' is not in"):
+        word_distances([a, b], "fish")
+
+
+def test_trace_translation_reads_rnn_and_transformer_results():
+    rng = np.random.default_rng(12)
+    rnn = {
+        "source": "the old man",
+        "source_tokens": ["the", "old", "man", "</s>"],
+        "target_tokens": ["el", "viejo", "</s>"],
+        "attention": random_weights(rng, 3, 4),
+    }
+    t = trace_translation(rnn, name="rnn")
+    assert t.attentions.shape == (1, 1, 3, 4) and t.kind == "cross" and not t.has_movement
+    assert t.keys == rnn["source_tokens"] and t.layer_names == ["attention"]
+
+    class Result:  # the shape of attnlab.translate's Translation
+        source = "the old man"
+        source_tokens = ["the", "old", "man", "</s>"]
+        target_tokens = ["el", "hombre", "viejo", "</s>"]
+        attention = random_weights(rng, 2, 4, 4, 4)
+
+    t = trace_translation(Result(), name="transformer")
+    assert t.layer_names == ["decoder layer 0", "decoder layer 1"] and t.num_heads == 4
+    with pytest.raises(ValueError, match="returned no attention"):
+        trace_translation({**rnn, "attention": None})
+
+
+def test_merge_subwords_sums_keys_and_averages_queries():
+    rng = np.random.default_rng(13)
+    W = random_weights(rng, 5, 6)
+    words = merge_subwords(W, [[0, 1], [2], [3, 4]], [[0], [1, 2, 3], [4, 5]])
+    np.testing.assert_allclose(words.sum(1), 1.0)
+    assert words[0, 1] == pytest.approx((W[0, 1:4].sum() + W[1, 1:4].sum()) / 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# the explorer page (its behaviour in a browser: test_viz_browser.py)
+
+
+def page_data(html: str) -> dict:
+    block = re.search(
+        r'<script id="attnlab-data" type="application/json">(.*?)</script>', html, re.S
+    )
+    assert block is not None
+    return json.loads(block.group(1))
+
+
+def decode_dense(data: dict, layer: int) -> np.ndarray:
+    """What the page's JavaScript computes, in NumPy: [H, L, S] weights of one layer."""
+    import base64
+
+    H, L, S = data["num_heads"], len(data["query_tokens"]), len(data["key_tokens"])
+    enc = data["layers"][layer]
+    q = np.frombuffer(base64.b64decode(enc["w"]), np.uint8).reshape(H, L, S)
+    rowmax = np.frombuffer(base64.b64decode(enc["rowmax"]), "<f4").reshape(H, L)
+    return q / 255 * rowmax[..., None]
+
+
+def test_quantised_weights_are_within_half_a_level_of_the_row_max():
+    rng = np.random.default_rng(14)
+    W = random_weights(rng, 3, 7, 9)
+    q, rowmax = quantize_rows(W)
+    err = np.abs(q / 255 * rowmax[..., None] - W)
+    assert (err <= rowmax[..., None] / 510 + 1e-7).all()
+    assert (q.max(-1) == 255).all()
+
+
+def test_explorer_page_is_self_contained_and_holds_the_weights():
+    trace, _, _ = two_layer_trace()
+    html = build_explorer(trace)
+    # no external resources: no src/href at all, no url(...), no fetch; the only URL-like
+    # string is the SVG namespace name, which browsers never fetch
+    assert not re.search(r"\b(src|href)\s*=", html, re.I)
+    assert "url(http" not in html and "@import" not in html
+    assert "fetch(" not in html and "XMLHttpRequest" not in html
+    urls = set(re.findall(r"https?://[^\s\"'<>)]+", html))
+    assert urls == {"http://www.w3.org/2000/svg"}
+    data = page_data(html)
+    assert data["encoding"]["kind"] == "dense"
+    assert data["num_layers"] == 2 and data["num_heads"] == 4
+    assert data["query_tokens"] == SENTENCE
+    for layer in range(2):
+        np.testing.assert_allclose(
+            decode_dense(data, layer),
+            trace.attentions[layer],
+            atol=trace.attentions[layer].max() / 510 + 1e-6,
+        )
+    assert data["movement"] is not None and data["movement"][0]["sets"] == 2 + 4
+    assert data["default"]["focus"] == 10  # "bank"
+    assert build_explorer(trace) == html  # deterministic
+
+
+def test_explorer_keeps_the_strongest_weights_of_each_row_when_over_budget():
+    rng = np.random.default_rng(15)
+    A = random_weights(rng, 2, 3, 40, 40)
+    trace = Trace(tokens=[f"t{i}" for i in range(40)], attentions=A)
+    data = explorer_data(trace, max_bytes=2 * 3 * 40 * 3 * 8)  # room for k = 8
+    kept = np.sort(A, axis=-1)[..., -8:].sum(-1).mean()  # rows sum to 1
+    assert data["encoding"] == {"kind": "topk", "k": 8, "levels": 255, "kept": round(kept, 3)}
+    import base64
+
+    idx = np.frombuffer(base64.b64decode(data["layers"][1]["idx"]), "<u2").reshape(3, 40, 8)
+    strongest = np.sort(np.argsort(-A[1], axis=-1)[..., :8], axis=-1)
+    np.testing.assert_array_equal(idx, strongest)
+    assert data["movement"] is None
+
+
+def test_explorer_of_a_translation_has_two_token_lists_and_no_movement():
+    rng = np.random.default_rng(16)
+    t = trace_translation(
+        {
+            "source": "the old man",
+            "source_tokens": ["the", "old", "man", "</s>"],
+            "target_tokens": ["el", "viejo", "</s>"],
+            "attention": random_weights(rng, 2, 2, 3, 4),
+        }
+    )
+    data = page_data(build_explorer(t))
+    assert data["kind"] == "cross" and data["key_tokens"][-1] == "</s>"
+    assert data["layer_names"] == ["decoder layer 0", "decoder layer 1"]
+    assert data["movement"] is None
+
+
+def test_explorer_escapes_markup_in_tokens():
+    t = Trace(
+        tokens=["</script>", "<b>"], attentions=np.full((1, 1, 2, 2), 0.5), text="</script><b>"
+    )
+    html = build_explorer(t)
+    assert html.count("</script>") == 2  # the data block's and the code block's own ends
+    assert page_data(html)["query_tokens"] == ["</script>", "<b>"]
