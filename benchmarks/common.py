@@ -86,6 +86,11 @@ def report_peak(run_case: Callable[[], object], setup: Callable[[], object]) -> 
 def header(title: str) -> None:
     import torch
 
+    thp = (
+        "THP_MEM_ALLOC_ENABLE=1 (huge pages)"
+        if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
+        else "default glibc allocator"
+    )
     print(f"\n== {title} ==")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {thp}")
     print(f"{'case':<44} {'attnlab':>12} {'peer':>12}   ratio (median; best)")
