@@ -41,7 +41,7 @@ logger = logging.getLogger("attnlab.dispatch")
 
 @dataclass(frozen=True)
 class Dispatch:
-    """The path a call takes (``"fused"`` or ``"eager"``) and the reasons for it."""
+    """The path a call takes (``"fused"``, ``"weights"`` or ``"eager"``) and the reasons."""
 
     path: str
     reasons: tuple[str, ...]
@@ -78,6 +78,18 @@ def _choose(
                 "runs without one (call under torch.no_grad() to use it)",
             ),
         )
+    if return_weights:
+        heads, rows = _block_shape(
+            query.shape[1], query.shape[2], key.shape[2], query.element_size()
+        )
+        what = "averaged over heads" if return_weights == "average" else "per head"
+        return Dispatch(
+            "weights",
+            (
+                f"weights ({what}) and output computed together in blocks of {heads} head(s) x "
+                f"{rows} query rows, written in place: extra memory one block, not (B, H, L, S)",
+            ),
+        )
     if dropout_p > 0 and query.device.type == "cpu":
         return Dispatch(
             "eager",
@@ -100,18 +112,6 @@ def _choose(
         reasons.append(f"{alignment} causal with L={L}, S={S} passed as a bool mask")
     if attn_mask is not None and query.device.type != "cpu":
         reasons.append("fully masked rows zeroed after the kernel")
-    if return_weights:
-        heads, rows = _block_shape(
-            query.shape[1], query.shape[2], key.shape[2], query.element_size()
-        )
-        what = "averaged over heads" if return_weights == "average" else "per head"
-        return Dispatch(
-            "weights",
-            (
-                f"weights ({what}) and output computed together in blocks of {heads} head(s) x "
-                f"{rows} query rows, written in place: extra memory one block, not (B, H, L, S)",
-            ),
-        )
     return Dispatch("fused", tuple(reasons))
 
 
