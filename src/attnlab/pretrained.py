@@ -53,6 +53,8 @@ from typing import Any
 
 import torch
 
+from attnlab._files import fsync_path
+
 try:  # POSIX file locks; without them (Windows) concurrent builds still cannot corrupt the cache.
     import fcntl
 except ImportError:  # pragma: no cover
@@ -397,7 +399,7 @@ def _write_copy(
         str(p.relative_to(dest)): p.stat().st_size for p in sorted(dest.rglob("*")) if p.is_file()
     }
     for rel in files:
-        _fsync(dest / rel)
+        fsync_path(dest / rel)
     manifest = {
         "source": source,
         "gguf_sha256": _sha256(gguf),
@@ -409,8 +411,8 @@ def _write_copy(
         "files": files,
     }
     (dest / _MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")  # last: marks completion
-    _fsync(dest / _MANIFEST)
-    _fsync(dest)
+    fsync_path(dest / _MANIFEST)
+    fsync_path(dest)
 
 
 def _check_source_model(model: Any, gguf: Path) -> None:
@@ -434,7 +436,7 @@ def _replace_dir(tmp: Path, final: Path) -> None:
         os.rename(final, trash)
         shutil.rmtree(trash, ignore_errors=True)
     os.rename(tmp, final)  # atomic on one file system: readers see all of it or none
-    _fsync(final.parent)
+    fsync_path(final.parent)
 
 
 def _remove_stale_temporaries(root: Path, final_name: str) -> None:
@@ -456,19 +458,6 @@ def _lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. directories on Windows
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from attnlab._files import atomic_save_png
+
 
 def require_matplotlib() -> Any:
     """Import matplotlib or raise an ImportError that names the fix."""
@@ -56,6 +58,4 @@ def save_figure(fig: Any, path: str | os.PathLike, *, dpi: int = 110) -> Path:
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise ValueError(f"save_figure writes PNG files; got {str(path)!r}. Fix: end it in .png")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi, format="png", metadata={"Software": None})
-    return path
+    return atomic_save_png(fig, path, dpi=dpi, metadata={"Software": None})

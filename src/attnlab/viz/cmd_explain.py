@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from attnlab._files import atomic_write_json, atomic_write_text
+
 EXAMPLE = "Write a poem about a man fishing on a river bank"
 DEFAULT_MAX_TOKENS = 512
 STOPWORDS = {"a", "an", "the", "of", "on", "in", "at", "to", "and", "or", "i", "is", "was", "it"}
@@ -374,9 +376,7 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
 
 def _summary(out: Path, written: list[str], facts: dict[str, Any]) -> None:
     facts = {**facts, "files": sorted(written)}
-    (out / "summary.json").write_text(
-        json.dumps(facts, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-    )
+    atomic_write_json(out / "summary.json", facts, indent=2)
 
 
 def _clip(text: str, n: int = 90) -> str:
@@ -430,9 +430,7 @@ def _compare(args, texts: list[str], model, tokenizer, out: Path, say: _Progress
     rows = [
         [str(layer)] + [f"{D[k, layer]:.4f}" for k in range(len(D))] for layer in range(D.shape[1])
     ]
-    (out / "compare.tsv").write_text(
-        "\n".join("\t".join(r) for r in [header, *rows]) + "\n", encoding="utf-8"
-    )
+    atomic_write_text(out / "compare.tsv", "\n".join("\t".join(r) for r in [header, *rows]) + "\n")
     written.append("compare.tsv")
     _summary(
         out,

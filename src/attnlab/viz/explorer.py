@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from attnlab._files import atomic_write_text
+
 from ._explorer_assets import CSS, JS
 from .projection import fit_pca
 from .trace import Trace, default_fit_on
@@ -197,10 +199,7 @@ def build_explorer(trace: Trace, *, title: str | None = None, **kwargs: Any) -> 
 
 def write_explorer(trace: Trace, path: str | Path, **kwargs: Any) -> Path:
     """Write :func:`build_explorer`'s page to ``path`` (UTF-8); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(build_explorer(trace, **kwargs), encoding="utf-8")
-    return path
+    return atomic_write_text(path, build_explorer(trace, **kwargs))
 
 
 TEMPLATE = """<!DOCTYPE html>
