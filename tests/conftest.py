@@ -66,3 +66,12 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture
 def rng():
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one thread is faster, and immune to a busy machine's stalls."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

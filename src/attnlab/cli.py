@@ -13,6 +13,19 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS = {
+    "train": (
+        "attnlab.translate.cmd_train",
+        "train a translator with attention (default: Bible en->es, 15 minutes on CPU)",
+    ),
+    "translate": ("attnlab.translate.cmd_translate", "translate text with a trained run"),
+    "evaluate": (
+        "attnlab.translate.cmd_evaluate",
+        "score a trained run: BLEU, chrF and the alignment error rate of its attention",
+    ),
+    "compare": (
+        "attnlab.translate.cmd_compare",
+        "train every attention variant on equal terms; write a table and a plot",
+    ),
     "examples": ("attnlab.cli_examples", "print the worked examples of the tutorials"),
     "explain": (
         "attnlab.viz.cmd_explain",

@@ -1,0 +1,335 @@
+"""``attnlab compare``: train every attention variant on the same data with the same budget, then
+tabulate BLEU, chrF, alignment error rate, parameters and training time (Markdown, CSV, chart).
+
+Variants: the RNN encoder-decoder with no attention (the fixed-vector bottleneck), Bahdanau
+(additive), Luong dot / general / concat, multi-head cross-attention and hard (argmax,
+straight-through) attention; the Transformer with multi-head and grouped-query attention. They
+share one tokenizer (trained once), the seed, the batches and the budget: ``--time-budget``
+minutes of training each (evaluation not counted), ``--cpu-budget`` minutes of CPU time each
+(fair on a busy machine, where a clock budget buys less work as the load grows), or ``--epochs``
+(the same data seen by all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import shutil
+import time
+from pathlib import Path
+
+from attnlab._files import atomic_write_json, atomic_write_text
+
+VARIANTS = (
+    "rnn-none",
+    "rnn-bahdanau",
+    "rnn-luong-dot",
+    "rnn-luong-general",
+    "rnn-luong-concat",
+    "rnn-multihead",
+    "rnn-hard",
+    "transformer-multihead",
+    "transformer-gqa",
+)
+COLUMNS = (
+    "variant",
+    "model",
+    "attention",
+    "parameters",
+    "train_seconds",
+    "steps",
+    "epochs",
+    "val_loss",
+    "bleu",
+    "chrf",
+    "exact_match",
+    "aer",
+    "aer_referenced",
+    "best_head_aer",
+)
+
+EPILOG = """\
+examples:
+  attnlab compare --task dates --time-budget 3
+  attnlab compare --variants rnn-none,rnn-bahdanau,transformer-multihead --epochs 2
+  attnlab compare --out runs/compare-bible --resume     # finish the variants not yet done
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    parser.add_argument(
+        "--task", choices=["bible", "dates"], default=None, help="embedded task (default bible)"
+    )
+    parser.add_argument("--data", default=None, metavar="FILE", help="your own TSV pairs instead")
+    parser.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        default=None,
+        help="with --data: drop malformed lines instead of stopping",
+    )
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated list (default: all): " + ", ".join(VARIANTS),
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="MIN",
+        help="training minutes per variant (default 10 for bible, 2 for dates)",
+    )
+    parser.add_argument(
+        "--cpu-budget",
+        type=float,
+        default=None,
+        metavar="MIN",
+        help="training minutes of CPU time per variant: fair on a machine shared with other "
+        "jobs (use --threads 1; then it is the clock time of an idle machine)",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=float,
+        default=None,
+        help="train each variant this many epochs instead of a time budget",
+    )
+    parser.add_argument(
+        "--size",
+        choices=["tiny", "small", "base"],
+        default="small",
+        help="model size of every variant (default small)",
+    )
+    parser.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+    parser.add_argument("--beam-size", type=int, default=4, help="beam for the test translation")
+    parser.add_argument(
+        "--eval-limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="score on the first N test pairs only",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for the runs and the table (default runs/compare-<task>)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep finished variants in --out, train only the missing ones",
+    )
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _row(variant: str, results: dict) -> dict:
+    test = results["test"]
+    al = test.get("alignment") or {}
+    tr = results["train"]
+    return {
+        "variant": variant,
+        "model": results["model"]["kind"],
+        "attention": results["model"]["attention"],
+        "parameters": results["parameters"],
+        "train_seconds": tr["seconds"],
+        "steps": tr["steps"],
+        "epochs": tr["epochs"],
+        "val_loss": tr["val_loss"],
+        "bleu": test["bleu"],
+        "chrf": test["chrf"],
+        "exact_match": test.get("exact_match", ""),
+        "aer": al.get("aer", ""),
+        "aer_referenced": al.get("aer_referenced", ""),
+        "best_head_aer": (al.get("best_head") or {}).get("aer_referenced", ""),
+    }
+
+
+def write_table(out: Path, rows: list[dict], title: str) -> None:
+    """compare.csv, compare.md and compare.png in ``out``."""
+    buffer = io.StringIO(newline="")
+    w = csv.DictWriter(buffer, fieldnames=COLUMNS)
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_text(out / "compare.csv", buffer.getvalue())
+    headers = (
+        "variant",
+        "params",
+        "train s",
+        "steps",
+        "epochs",
+        "val loss",
+        "BLEU",
+        "chrF",
+        "exact %",
+        "AER %",
+        "AER ref. %",
+        "best head AER ref. %",
+    )
+    keys = (
+        "variant",
+        "parameters",
+        "train_seconds",
+        "steps",
+        "epochs",
+        "val_loss",
+        "bleu",
+        "chrf",
+        "exact_match",
+        "aer",
+        "aer_referenced",
+        "best_head_aer",
+    )
+    show = [i for i, k in enumerate(keys) if any(r.get(k) not in ("", None) for r in rows)]
+    lines = [
+        f"# {title}",
+        "",
+        "| " + " | ".join(headers[i] for i in show) + " |",
+        "|" + "|".join("---" for _ in show) + "|",
+    ]
+    for r in rows:
+        cells = []
+        for i in show:
+            v = r.get(keys[i])
+            cells.append(f"{v:,}" if isinstance(v, int) else str(v if v is not None else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "AER: alignment error rate of the cross-attention (Transformer: average of all "
+        "heads; best head in the last column) against the reference word alignments; "
+        "'ref.' scores only target words that have a reference link. Lower is better.",
+    ]
+    atomic_write_text(out / "compare.md", "\n".join(lines) + "\n")
+    try:
+        from attnlab.translate.plot import compare_chart
+
+        compare_chart(out / "compare.png", rows, title)
+    except ModuleNotFoundError:
+        pass
+
+
+def main(args: argparse.Namespace) -> int:
+
+    from attnlab.translate import checkpoint as ckpt
+    from attnlab.translate.pipeline import (
+        build_config,
+        log,
+        pick_device,
+        read_results,
+        resolve,
+        train_run,
+    )
+    from attnlab.translate.report import final_report
+    from attnlab.translate.tasks import load_task
+    from attnlab.translate.tokenizer import Tokenizer
+
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    if sum(x is not None for x in (args.time_budget, args.epochs, args.cpu_budget)) > 1:
+        raise ValueError(
+            "give one of --time-budget, --cpu-budget and --epochs: the budget must be one thing"
+        )
+    device = pick_device(args.device)
+    base = {
+        "task": args.task,
+        "data": args.data,
+        "skip_bad_lines": args.skip_bad_lines,
+        "size": args.size,
+        "seed": args.seed,
+        "beam_size": args.beam_size,
+    }
+    task_name = "tsv" if args.data else (args.task or "bible")
+    minutes = args.time_budget
+    if minutes is None and args.epochs is None and args.cpu_budget is None:
+        minutes = 2.0 if task_name == "dates" else 10.0
+    out = args.out or Path("runs") / f"compare-{task_name}"
+    if out.exists() and any(out.iterdir()) and not args.resume:
+        raise ValueError(
+            f"{out} is not empty; pass --resume to reuse its finished variants, or "
+            "choose another --out"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+
+    rows = []
+    shared_tokenizer = out / ckpt.TOKENIZER
+    if args.epochs:
+        budget_text = f"{args.epochs:g} epoch(s)"
+    elif args.cpu_budget:
+        budget_text = f"{args.cpu_budget:g} CPU-min of training"
+    else:
+        budget_text = f"{minutes:g} min of training"
+    title = (
+        f"Attention variants on {task_name}: {budget_text} each, size {args.size}, seed {args.seed}"
+    )
+    started_all = time.monotonic()
+    for n, variant in enumerate(variants, 1):
+        run_dir = out / variant
+        done = read_results(run_dir)
+        if args.resume and done.get("test"):
+            log(f"[{n}/{len(variants)}] {variant}: done already")
+            rows.append(_row(variant, done))
+            continue
+        log(f"[{n}/{len(variants)}] {variant}: training ({budget_text})")
+        model, attention = variant.split("-", 1)
+        opts = resolve(
+            {
+                **base,
+                "model": model,
+                "attention": attention,
+                "epochs": args.epochs,
+                "cpu_budget": args.cpu_budget,
+            }
+        )
+        config = build_config(opts)
+        config["time_budget_minutes"] = None
+        if minutes is not None:
+            config["train"]["train_seconds"] = minutes * 60.0  # training only, same for all
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True)
+        if not shared_tokenizer.is_file():
+            task = load_task(config["task"])
+            tok = Tokenizer.train(
+                [p.source for p in task.train] + [p.target for p in task.train],
+                config["tokenizer"]["kind"],
+                config["tokenizer"]["vocab_size"],
+            )
+            tok.save(shared_tokenizer)
+        shutil.copyfile(shared_tokenizer, run_dir / ckpt.TOKENIZER)
+        ckpt.atomic_write_json(run_dir / ckpt.CONFIG, config)
+        _, _, task, state, dist = train_run(
+            run_dir, config, device=device, threads=args.threads, progress_bar=not args.no_progress
+        )
+        if not dist.main:
+            continue
+        if getattr(state, "interrupted", False):
+            log(
+                f"interrupted; finished variants are kept. Continue with: attnlab compare --out "
+                f"{out} --resume"
+            )
+            return 130
+        results = final_report(
+            run_dir, task, state, beam_size=args.beam_size, eval_limit=args.eval_limit, quiet=True
+        )
+        row = _row(variant, results)
+        rows.append(row)
+        log(
+            f"    BLEU {row['bleu']}  chrF {row['chrf']}  "
+            f"AER {row['aer']} / {row['aer_referenced']}"
+            + (f"  exact {row['exact_match']}%" if row["exact_match"] != "" else "")
+        )
+        write_table(out, rows, title)
+    write_table(out, rows, title)
+    atomic_write_json(out / "compare.json", rows)
+    print((out / "compare.md").read_text(encoding="utf-8"))
+    print(
+        f"table: {out / 'compare.md'}, {out / 'compare.csv'}; chart: {out / 'compare.png'}; "
+        f"runs: {out}/<variant>; {time.monotonic() - started_all:.0f} s in all"
+    )
+    return 0

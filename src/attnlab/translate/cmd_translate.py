@@ -1,0 +1,113 @@
+"""``attnlab translate RUN_DIR``: translate text with a trained run.
+
+Text comes from the arguments (one sentence each), from ``--input FILE`` (one per line), or from
+standard input. Translations go to standard output, one per line, in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EPILOG = """\
+examples:
+  attnlab translate runs/bible-rnn-luong-general "In the beginning God created the heaven."
+  attnlab translate runs/dates-rnn-bahdanau "mardi 1 février 2005" --show-attention
+  attnlab translate runs/bible-rnn-luong-general --input verses.txt --beam-size 5 > out.txt
+  echo "And God said, Let there be light" | attnlab translate runs/bible-rnn-luong-general
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from attnlab.translate.pipeline import add_run_arguments
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    add_run_arguments(parser)
+    parser.add_argument(
+        "text", nargs="*", help="sentences to translate (default: --input or stdin)"
+    )
+    parser.add_argument(
+        "--input",
+        "-i",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="read sentences from FILE, one per line",
+    )
+    parser.add_argument("--batch-size", type=int, default=32, help="sentences decoded together")
+    parser.add_argument(
+        "--show-attention",
+        action="store_true",
+        help="also print each target token's most attended source token",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per sentence (tokens, text, score)",
+    )
+
+
+def _read_input(args) -> list[str]:
+    if args.text and args.input:
+        raise ValueError("give sentences as arguments or with --input FILE, not both")
+    if args.text:
+        return list(args.text)
+    if args.input:
+        if not args.input.is_file():
+            raise FileNotFoundError(f"--input {args.input}: no such file")
+        raw = args.input.read_text(encoding="utf-8")
+    else:
+        if sys.stdin.isatty():
+            print(
+                "reading sentences from standard input, one per line (Ctrl-D to finish)",
+                file=sys.stderr,
+            )
+        raw = sys.stdin.read()
+    return [line.strip() for line in raw.splitlines()]
+
+
+def main(args: argparse.Namespace) -> int:
+    from attnlab.translate.pipeline import open_run
+
+    translator = open_run(args)
+    lines = _read_input(args)
+    wanted = [i for i, line in enumerate(lines) if line]
+    outputs = translator.translate(
+        [lines[i] for i in wanted],
+        beam_size=args.beam_size,
+        return_attention=args.show_attention,
+        batch_size=args.batch_size,
+        progress=len(wanted) > args.batch_size,
+    )
+    by_line = dict(zip(wanted, outputs, strict=True))
+    for i in range(len(lines)):
+        out = by_line.get(i)
+        if out is None:  # keep line numbers aligned: an empty line stays empty
+            print()
+            continue
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "source": out.source,
+                        "translation": out.text,
+                        "source_tokens": out.source_tokens,
+                        "target_tokens": out.target_tokens,
+                        "score": round(out.score, 4),
+                    },
+                    ensure_ascii=False,
+                )
+            )
+        else:
+            print(out.text)
+        if args.show_attention and out.attention is not None:
+            A = out.attention if out.attention.ndim == 2 else out.attention.mean(axis=(0, 1))
+            pairs = [
+                f"{t}<-{out.source_tokens[int(A[r].argmax())]}"
+                for r, t in enumerate(out.target_tokens)
+            ]
+            print("  attention: " + "  ".join(pairs), file=sys.stderr)
+    return 0

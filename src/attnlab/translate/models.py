@@ -1,0 +1,119 @@
+"""Model registry: a JSON-able config dict -> an RNN or Transformer translator.
+
+Both models share one interface, which the decoders and the trainer rely on::
+
+    logits = model(src, src_lengths, tgt_in)                        # teacher forcing
+    logits, attn = model(src, src_lengths, tgt_in, return_attention=True)
+    memory = model.encode(src, src_lengths)                         # dict of (B, ...) tensors
+    state = model.start(memory)
+    logits, state, attn = model.step(tokens, state, return_attention=...)
+    state = model.reorder(state, index)                             # beam search
+
+Cross-attention maps: RNN (B, T, S); Transformer (B, layers, heads, T, S).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnlab.translate.rnn import RNN_ATTENTIONS, RNNSeq2Seq
+from attnlab.translate.transformer import TransformerSeq2Seq
+
+MODELS = ("rnn", "transformer")
+TRANSFORMER_ATTENTIONS = ("multihead", "gqa")
+
+# Sizes by name: the default of each model, and a tiny one for tests and smoke runs.
+SIZES = {
+    "rnn": {
+        "tiny": {"emb_dim": 32, "hidden": 64, "enc_layers": 1, "heads": 2, "dropout": 0.0},
+        "small": {"emb_dim": 128, "hidden": 256, "enc_layers": 1, "heads": 4, "dropout": 0.1},
+        "base": {"emb_dim": 256, "hidden": 512, "enc_layers": 1, "heads": 4, "dropout": 0.2},
+    },
+    "transformer": {
+        "tiny": {
+            "d_model": 32,
+            "heads": 2,
+            "d_ff": 64,
+            "enc_layers": 1,
+            "dec_layers": 1,
+            "dropout": 0.0,
+        },
+        "small": {
+            "d_model": 192,
+            "heads": 4,
+            "d_ff": 768,
+            "enc_layers": 3,
+            "dec_layers": 3,
+            "dropout": 0.1,
+        },
+        "base": {
+            "d_model": 256,
+            "heads": 4,
+            "d_ff": 1024,
+            "enc_layers": 4,
+            "dec_layers": 4,
+            "dropout": 0.1,
+        },
+    },
+}
+
+
+def model_config(model: str, attention: str | None, size: str = "small", **overrides) -> dict:
+    """The config dict of a model: kind, attention and widths (non-None ``overrides`` win)."""
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; expected one of {MODELS}")
+    if size not in SIZES[model]:
+        raise ValueError(f"unknown size {size!r}; expected one of {list(SIZES[model])}")
+    cfg = {"kind": model, **SIZES[model][size]}
+    if model == "rnn":
+        attention = attention or "bahdanau"
+        if attention not in RNN_ATTENTIONS:
+            raise ValueError(
+                f"--attention {attention} is not an RNN attention; expected one of "
+                f"{', '.join(RNN_ATTENTIONS)}"
+            )
+    else:
+        attention = attention or "multihead"
+        if attention not in TRANSFORMER_ATTENTIONS:
+            raise ValueError(
+                f"--attention {attention} is not a Transformer attention; expected multihead or "
+                "gqa (grouped-query: fewer key/value heads, --kv-heads), or use --model rnn"
+            )
+    cfg["attention"] = attention
+    for key, value in overrides.items():
+        if value is not None:
+            cfg[key] = value
+    if model == "transformer":
+        if attention == "gqa" and cfg.get("kv_heads") in (None, cfg["heads"]):
+            cfg["kv_heads"] = max(1, cfg["heads"] // 2)
+        if attention == "multihead" and cfg.get("kv_heads") not in (None, cfg["heads"]):
+            cfg["attention"] = "gqa"
+    return cfg
+
+
+def build_model(config: dict, vocab_size: int) -> nn.Module:
+    """Instantiate the model described by ``config`` (as returned by :func:`model_config`)."""
+    cfg = dict(config)
+    kind = cfg.pop("kind")
+    if kind == "rnn":
+        return RNNSeq2Seq(vocab_size, **cfg)
+    if kind == "transformer":
+        cfg.pop("attention", None)
+        return TransformerSeq2Seq(vocab_size, **cfg)
+    raise ValueError(f"unknown model kind {kind!r}; expected one of {MODELS}")
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Trainable parameters, tied weights counted once."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+def select_rows(memory: dict, index: torch.Tensor) -> dict:
+    """Pick / repeat the batch rows of an encoder memory (every tensor's dim 0)."""
+    return {k: v.index_select(0, index) if torch.is_tensor(v) else v for k, v in memory.items()}

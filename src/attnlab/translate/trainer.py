@@ -1,0 +1,417 @@
+"""The training loop: budgets, schedule, checkpoints, resume, Ctrl-C, and DistributedDataParallel.
+
+**Budget.** Training stops at the first of: ``epochs`` epochs, ``max_steps`` optimizer steps,
+``train_seconds`` seconds of training (the command's ``--time-budget`` minus what evaluation
+needs), ``cpu_seconds`` seconds of this process's CPU time (``--cpu-budget``: on a machine shared
+with other jobs a clock budget buys less and less work as the load grows; a CPU budget buys the
+same work whatever the load, and with one thread it equals the clock time of an idle machine).
+The learning rate warms up linearly, then follows a cosine from its peak down to 5%
+of it over the budget's *progress*: the fraction of epochs, steps or seconds used, whichever is
+furthest along. Runs budgeted by epochs or steps are exactly reproducible; a time budget makes
+the step count, hence the result, depend on the machine's speed.
+
+**Resume.** A checkpoint holds the parameters, the optimizer's moments, the step, the epoch and
+the position in that epoch's batch order (which depends only on the seed and the epoch), and the
+torch / Python / NumPy random states. Restoring all of it makes a resumed run continue exactly
+as the uninterrupted one: the same batches, the same dropout masks, bit-identical parameters.
+Ctrl-C (SIGINT) or SIGTERM finishes the current step, saves a checkpoint and stops; a second
+Ctrl-C stops at once (the last checkpoint is still intact: checkpoints are written atomically).
+
+**Distributed.** Under ``torchrun`` (``WORLD_SIZE > 1``) the model is wrapped in
+``DistributedDataParallel`` (gloo on CPU, NCCL on GPU). All processes build the same batches;
+each takes its share of every batch (:func:`attnlab.translate.batching.shard`) and scales its
+loss so that the averaged gradient is the gradient of the whole batch's mean token loss. Each
+step the processes agree on the elapsed time and on interruption (one small all-reduce), so
+they always stop at the same step; process 0 writes checkpoints and logs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from attnlab.translate import checkpoint as ckpt
+from attnlab.translate.batching import Encoded, collate, epoch_batches, shard
+from attnlab.translate.tokenizer import PAD
+
+
+@dataclass
+class TrainOptions:
+    """Optimisation and budget settings (the ``"train"`` section of a run's config.json)."""
+
+    lr: float = 1e-3
+    warmup: int = 400
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.01
+    label_smoothing: float = 0.1
+    clip: float = 1.0
+    max_tokens: int = 4096
+    max_sentences: int | None = None
+    max_len: int = 128
+    epochs: float | None = None
+    max_steps: int | None = None
+    train_seconds: float | None = None
+    cpu_seconds: float | None = None
+    seed: int = 1
+    eval_every: float = 0.2  # validation loss every this fraction of progress
+    val_pairs: int = 300  # validation pairs used for that (the first ones)
+    checkpoint_every: float = 600.0  # seconds between checkpoints (and at every epoch's end)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainOptions:
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    epoch: int = 0
+    position: int = 0  # batches of the current epoch already done
+    elapsed: float = 0.0  # seconds of training so far (all sessions)
+    cpu_seconds: float = 0.0  # CPU time of this process while training (all sessions)
+    tokens: int = 0
+    epochs_done: float = 0.0  # epoch + fraction of the current one
+    history: list = field(default_factory=list)  # validation records
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+class Schedule:
+    """Linear warm-up (``warmup`` steps or 5% of the budget, the shorter), then cosine decay to
+    ``min_lr_ratio * lr`` over the budget's progress."""
+
+    def __init__(self, lr: float, warmup: int, min_lr_ratio: float):
+        self.lr, self.warmup, self.min_ratio = lr, warmup, min_lr_ratio
+
+    def __call__(self, step: int, progress: float) -> float:
+        # warm-up ends after `warmup` steps or 5% of the budget, whichever comes first
+        warm = min(1.0, max((step + 1) / max(1, self.warmup), progress / 0.05))
+        p = min(max(progress, 0.0), 1.0)
+        decay = self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+        return self.lr * warm * decay
+
+
+# ------------------------------------------------------------------------------ distributed
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+
+def init_distributed(device: str) -> Dist:
+    """Join the process group torchrun set up (``WORLD_SIZE`` > 1); otherwise a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    import torch.distributed as dist
+
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend=backend)
+    return Dist(rank, world, local)
+
+
+# ------------------------------------------------------------------------------ interruption
+class StopFlag:
+    """SIGINT / SIGTERM set a flag; the loop saves and stops after the current step."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # second Ctrl-C: stop now
+        self.requested = True
+        print(
+            "\nstopping after this step and saving a checkpoint (Ctrl-C again to stop now)",
+            file=sys.stderr,
+        )
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        return False
+
+
+# ------------------------------------------------------------------------------ the loop
+def token_loss(logits, target, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Summed cross-entropy over non-pad target tokens. logits (B, T, V), target (B, T)."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        target.reshape(-1),
+        ignore_index=PAD,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
+
+
+@torch.no_grad()
+def validation_loss(model, data: Encoded, device, max_tokens: int = 8192) -> float:
+    """Mean token cross-entropy (nats, no label smoothing) over ``data``."""
+    if len(data) == 0:
+        return float("nan")
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for batch in epoch_batches(data, seed=0, epoch=0, max_tokens=max_tokens):
+        b = collate(data, batch).to(device)
+        logits = model(b.src, b.src_lengths, b.tgt_in)
+        total += float(token_loss(logits, b.tgt_out))
+        count += b.num_tokens
+    model.train(was_training)
+    return total / max(1, count)
+
+
+def fit(
+    model: torch.nn.Module,
+    train_data: Encoded,
+    val_data: Encoded,
+    opts: TrainOptions,
+    run_dir: str | os.PathLike[str],
+    *,
+    device: torch.device | str = "cpu",
+    resume: bool = False,
+    dist: Dist | None = None,
+    progress_bar: bool = True,
+    stop_at_step: int | None = None,
+) -> TrainState:
+    """Train ``model`` in place; checkpoints go to ``run_dir``. Returns the final state.
+
+    Args:
+        model: a model of :mod:`attnlab.translate.models`, already on ``device``.
+        train_data, val_data: encoded pairs.
+        opts: budget and optimisation.
+        run_dir: where checkpoints are written (process 0 only).
+        resume: continue from the latest checkpoint in ``run_dir``.
+        dist: distributed context (default: single process).
+        progress_bar: show a tqdm bar (process 0).
+        stop_at_step: behave as if interrupted after this step (tests of resume).
+    """
+    dist = dist or Dist()
+    device = torch.device(device)
+    run_dir = Path(run_dir)
+    if dist.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    net = model
+    if dist.active:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        net = DistributedDataParallel(model, device_ids=ids)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.dim() < 2 or "norm" in name else decay).append(p)
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": opts.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=opts.lr,
+        betas=(0.9, 0.98),
+        eps=1e-9,
+    )
+    schedule = Schedule(opts.lr, opts.warmup, opts.min_lr_ratio)
+    state = TrainState()
+    if resume:
+        folder = ckpt.latest_checkpoint(run_dir)
+        if folder is None:
+            raise ValueError(f"{run_dir} has no checkpoint to resume from; train without --resume")
+        saved = ckpt.load_checkpoint(folder, model, optimizer)
+        state = TrainState(
+            **{k: v for k, v in saved.items() if k in TrainState.__dataclass_fields__}
+        )
+    else:
+        torch.manual_seed(opts.seed + dist.rank)
+        import random
+
+        import numpy as np
+
+        random.seed(opts.seed)
+        np.random.seed(opts.seed)  # noqa: NPY002 - seed the global generator others use
+
+    budgets = (opts.epochs, opts.max_steps, opts.train_seconds, opts.cpu_seconds)
+    if all(b is None for b in budgets):
+        raise ValueError("no training budget: give epochs, max_steps, train_seconds or cpu_seconds")
+    batches_cache: dict[int, list] = {}
+
+    def batches_of(epoch: int) -> list:
+        if epoch not in batches_cache:
+            batches_cache.clear()
+            batches_cache[epoch] = epoch_batches(
+                train_data,
+                seed=opts.seed,
+                epoch=epoch,
+                max_tokens=opts.max_tokens * dist.world,
+                max_sentences=None
+                if opts.max_sentences is None
+                else opts.max_sentences * dist.world,
+                min_sentences=dist.world,
+            )
+        return batches_cache[epoch]
+
+    def progress() -> float:
+        p = 0.0
+        if opts.epochs:
+            n = len(batches_of(state.epoch))
+            p = max(p, (state.epoch + state.position / max(1, n)) / opts.epochs)
+        if opts.max_steps:
+            p = max(p, state.step / opts.max_steps)
+        if opts.train_seconds:
+            p = max(p, state.elapsed / opts.train_seconds)
+        if opts.cpu_seconds:
+            p = max(p, state.cpu_seconds / opts.cpu_seconds)
+        return p
+
+    def save() -> None:
+        if dist.main:
+            ckpt.save_checkpoint(run_dir, state.step, model, optimizer, state.to_dict())
+
+    def validate() -> None:
+        if not dist.main:
+            return
+        subset = Encoded(val_data.src[: opts.val_pairs], val_data.tgt[: opts.val_pairs])
+        loss = validation_loss(model, subset, device)
+        rec = {
+            "step": state.step,
+            "epoch": round(state.epoch + state.position / max(1, len(batches_of(state.epoch))), 3),
+            "elapsed": round(state.elapsed, 1),
+            "val_loss": round(loss, 4),
+            "val_ppl": round(math.exp(min(loss, 50)), 2),
+        }
+        state.history.append(rec)
+        with open(run_dir / "train.log", "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+        if bar is not None:
+            bar.write(
+                f"  step {state.step}: validation loss {loss:.3f} (perplexity {rec['val_ppl']})"
+            )
+
+    from tqdm.auto import tqdm
+
+    bar = None
+    if dist.main and progress_bar:
+        bar = tqdm(
+            total=1000,
+            desc="training",
+            unit="‰",
+            dynamic_ncols=True,
+            mininterval=0.5 if sys.stderr.isatty() else 60.0,
+            bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}",
+            file=sys.stderr,
+        )
+        bar.update(int(1000 * min(1.0, progress())))
+    net.train()
+    next_eval = (math.floor(progress() / opts.eval_every) + 1) * opts.eval_every
+    last_ckpt = session_start = time.monotonic()
+    base_elapsed, base_cpu, cpu_start = state.elapsed, state.cpu_seconds, time.process_time()
+    interrupted = False
+    smooth_loss = None
+    with StopFlag() as stop:
+        while True:
+            if opts.epochs is not None and state.epoch >= math.ceil(opts.epochs - 1e-9):
+                break
+            batches = batches_of(state.epoch)
+            finished = False
+            while state.position < len(batches):
+                # --- agree on stopping: budget, interruption (all processes, same step)
+                state.elapsed = base_elapsed + time.monotonic() - session_start  # wall clock
+                state.cpu_seconds = base_cpu + time.process_time() - cpu_start
+                flags = torch.tensor(
+                    [float(stop.requested), state.elapsed, state.cpu_seconds], dtype=torch.float64
+                )
+                if dist.active:
+                    import torch.distributed as tdist
+
+                    if not dist.main:
+                        flags[1:] = 0.0
+                    tdist.all_reduce(flags, op=tdist.ReduceOp.MAX)  # rank 0's clocks for all
+                    state.elapsed, state.cpu_seconds = float(flags[1]), float(flags[2])
+                if flags[0] > 0 or (stop_at_step is not None and state.step >= stop_at_step):
+                    interrupted = True
+                    break
+                p = progress()
+                if p >= 1.0 - 1e-12:
+                    finished = True
+                    break
+                # --- one optimizer step
+                lr = schedule(state.step, p)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                full = batches[state.position]
+                n_tokens = sum(len(train_data.tgt[i]) + 1 for i in full)  # whole batch
+                b = collate(train_data, shard(full, dist.rank, dist.world)).to(device)
+                logits = net(b.src, b.src_lengths, b.tgt_in)
+                loss_sum = token_loss(logits, b.tgt_out, opts.label_smoothing)
+                (loss_sum * (dist.world / n_tokens)).backward()
+                if opts.clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), opts.clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                state.step += 1
+                state.position += 1
+                state.tokens += n_tokens
+                state.elapsed = base_elapsed + time.monotonic() - session_start
+                state.cpu_seconds = base_cpu + time.process_time() - cpu_start
+                tok_loss = float(loss_sum.detach()) / max(1, b.num_tokens)
+                smooth_loss = (
+                    tok_loss if smooth_loss is None else 0.98 * smooth_loss + 0.02 * tok_loss
+                )
+                if bar is not None:
+                    bar.update(int(1000 * min(1.0, progress())) - bar.n)
+                    bar.set_postfix_str(
+                        f"epoch {state.epoch + 1} step {state.step} loss {smooth_loss:.3f} "
+                        f"lr {lr:.2e} {state.tokens / max(state.elapsed, 1e-9):,.0f} tok/s",
+                        refresh=False,
+                    )
+                if progress() >= next_eval:
+                    next_eval += opts.eval_every
+                    validate()
+                if time.monotonic() - last_ckpt > opts.checkpoint_every:
+                    save()
+                    last_ckpt = time.monotonic()
+            if interrupted or finished:
+                break
+            state.epoch += 1
+            state.position = 0
+            if time.monotonic() - last_ckpt > min(60.0, opts.checkpoint_every):
+                save()  # at an epoch's end, unless one was written less than a minute ago
+                last_ckpt = time.monotonic()
+        if not state.history or state.history[-1]["step"] != state.step:
+            validate()
+        save()
+    if bar is not None:
+        bar.close()
+    state.epochs_done = round(
+        state.epoch + state.position / max(1, len(batches_of(state.epoch))), 3
+    )
+    state.interrupted = interrupted  # type: ignore[attr-defined]
+    return state

@@ -1,0 +1,299 @@
+"""The translator end to end: the commands, their errors, and distributed training.
+
+* ``attnlab train`` with a tiny budget writes a run directory that ``translate``, ``evaluate``
+  and :func:`attnlab.translate.load_run` use.
+* Bad input gives one-line errors with the fix.
+* Two CPU processes under ``torchrun`` (gloo) keep identical replicas, equal to one process
+  training on the same global batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("safetensors")
+pytest.importorskip("sacrebleu")
+
+from attnlab.translate import cmd_compare, cmd_evaluate, cmd_train, cmd_translate  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def run(module, argv: list[str]) -> int:
+    """Parse and run one command the way ``attnlab.cli`` does."""
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return module.main(parser.parse_args(argv))
+
+
+@pytest.fixture(scope="module")
+def dates_run(tmp_path_factory):
+    pytest.importorskip("babel")
+    out = tmp_path_factory.mktemp("runs") / "dates-tiny"
+    code = run(
+        cmd_train,
+        [
+            "--task",
+            "dates",
+            "--tiny",
+            "--time-budget",
+            "0.2",
+            "--train-size",
+            "600",
+            "--eval-limit",
+            "40",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+    )
+    assert code == 0
+    return out
+
+
+def test_train_writes_a_usable_run_dir(dates_run, capsys):
+    for name in (
+        "config.json",
+        "tokenizer.json",
+        "model.safetensors",
+        "results.json",
+        "train.log",
+        "checkpoint/LATEST",
+    ):
+        assert (dates_run / name).is_file(), name
+    results = json.loads((dates_run / "results.json").read_text())
+    assert results["test"]["sentences"] == 40
+    assert {"bleu", "chrf", "exact_match"} <= set(results["test"])
+    config = json.loads((dates_run / "config.json").read_text())
+    assert config["model"]["kind"] == "rnn" and config["tokenizer"]["kind"] == "char"
+    assert config["train"]["train_seconds"] < 12  # the budget covers set-up and evaluation too
+
+
+def test_translate_command_and_load_run(dates_run, capsys, tmp_path):
+    capsys.readouterr()
+    assert run(cmd_translate, [str(dates_run), "1 February 2005", "mardi 1 mars 2005"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    infile = tmp_path / "in.txt"
+    infile.write_text("1 February 2005\n\n3 March 1999\n", encoding="utf-8")
+    assert (
+        run(cmd_translate, [str(dates_run), "--input", str(infile), "--beam-size", "3", "--json"])
+        == 0
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 and out[1] == "" and json.loads(out[0])["source"] == "1 February 2005"
+
+    from attnlab.translate import load_run
+
+    tr = load_run(dates_run)
+    res = tr.translate(["1 February 2005", "3 March 1999"], beam_size=2)
+    for r in res:
+        assert r.attention.shape == (len(r.target_tokens), len(r.source_tokens))
+        assert r.source_tokens[-1] == "</s>"
+        assert abs(r.attention.sum(-1) - 1).max() < 1e-4
+
+
+def test_evaluate_command(dates_run, capsys):
+    capsys.readouterr()
+    assert run(cmd_evaluate, [str(dates_run), "--limit", "20", "--json", "--no-progress"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["sentences"] == 20 and "exact_match" in res
+    assert 0 <= res["alignment"]["aer_referenced"] <= 100  # dates: digits vs the words
+
+
+def test_resume_continues_a_finished_run(dates_run, capsys):
+    before = json.loads((dates_run / "results.json").read_text())["train"]["steps"]
+    assert (
+        run(
+            cmd_train,
+            [
+                "--out",
+                str(dates_run),
+                "--resume",
+                "--max-steps",
+                str(before + 3),
+                "--time-budget",
+                "5",
+                "--eval-limit",
+                "10",
+                "--no-progress",
+            ],
+        )
+        == 0
+    )
+    after = json.loads((dates_run / "results.json").read_text())["train"]["steps"]
+    assert after == before + 3
+
+
+@pytest.mark.parametrize(
+    "module,argv,message",
+    [
+        (cmd_translate, ["{tmp}/nowhere", "hello"], "does not exist"),
+        (cmd_translate, ["{tmp}", "hello"], "is not a run directory"),
+        (cmd_evaluate, ["{tmp}/nowhere"], "train one with"),
+        (cmd_train, ["--model", "rnn", "--kv-heads", "2"], "--model transformer only"),
+        (cmd_train, ["--model", "transformer", "--attention", "bahdanau"], "--model rnn"),
+        (cmd_train, ["--task", "dates", "--data", "x.tsv"], "drop one of them"),
+        (cmd_train, ["--resume"], "--resume --out RUN_DIR"),
+        (cmd_train, ["--skip-bad-lines"], "applies only to --data"),
+        (cmd_train, ["--data", "{tmp}/missing.tsv", "--out", "{tmp}/r"], "does not exist"),
+    ],
+)
+def test_bad_input_gives_one_line_with_the_fix(tmp_path, monkeypatch, module, argv, message):
+    monkeypatch.chdir(tmp_path)  # a default run dir would land here
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    with pytest.raises((ValueError, FileNotFoundError)) as err:
+        run(module, argv)
+    text = str(err.value)
+    assert message in text and "\n" not in text
+
+
+def test_bad_tsv_lines_are_reported_and_can_be_skipped(tmp_path, capsys):
+    path = tmp_path / "pairs.tsv"
+    good = [f"sentence number {i}\tfrase número {i}" for i in range(60)]
+    path.write_text(
+        "\n".join(good[:10] + ["no tab on this line", "a\tb\tc\td"] + good[10:]) + "\n",
+        encoding="utf-8",
+    )
+    argv = [
+        "--data",
+        str(path),
+        "--tiny",
+        "--max-steps",
+        "2",
+        "--vocab-size",
+        "300",
+        "--eval-limit",
+        "3",
+        "--no-progress",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path / "r"),
+    ]
+    with pytest.raises(ValueError) as err:
+        run(cmd_train, argv)
+    text = str(err.value)
+    assert "2 bad line(s)" in text and "line 11" in text and "line 12" in text
+    assert "--skip-bad-lines" in text and "\n" not in text
+    assert run(cmd_train, argv + ["--skip-bad-lines"]) == 0
+    assert "skipped 2 bad line(s)" in capsys.readouterr().err
+
+
+def test_existing_run_dir_is_not_overwritten(dates_run):
+    with pytest.raises(ValueError, match="--resume"):
+        run(cmd_train, ["--task", "dates", "--tiny", "--out", str(dates_run)])
+
+
+def test_compare_two_variants(tmp_path, capsys):
+    pytest.importorskip("babel")
+    out = tmp_path / "cmp"
+    assert (
+        run(
+            cmd_compare,
+            [
+                "--task",
+                "dates",
+                "--variants",
+                "rnn-none,transformer-gqa",
+                "--size",
+                "tiny",
+                "--epochs",
+                "0.05",
+                "--eval-limit",
+                "10",
+                "--beam-size",
+                "1",
+                "--threads",
+                "1",
+                "--no-progress",
+                "--out",
+                str(out),
+            ],
+        )
+        == 0
+    )
+    md = (out / "compare.md").read_text()
+    assert "rnn-none" in md and "transformer-gqa" in md
+    assert (out / "compare.csv").read_text().count("\n") == 3
+
+
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from attnlab.data import Pair
+    from attnlab.translate.batching import encode_pairs
+    from attnlab.translate.models import build_model, model_config
+    from attnlab.translate.tokenizer import Tokenizer
+    from attnlab.translate.trainer import TrainOptions, fit, init_distributed
+
+    torch.set_num_threads(1)
+    out = sys.argv[1]
+    pairs = [Pair(f"{i} {i * 7 % 10} {i % 3}", f"{i % 3} {i * 7 % 10} {i}", str(i))
+             for i in range(40)]
+    tok = Tokenizer.train([p.source for p in pairs] + [p.target for p in pairs], "char")
+    data, _ = encode_pairs(tok, pairs)
+    dist = init_distributed("cpu")
+    torch.manual_seed(0)
+    model = build_model(model_config("transformer", "multihead", "tiny"), tok.vocab_size)
+    opts = TrainOptions(lr=3e-3, warmup=2, max_tokens=48, max_steps=6, seed=3, label_smoothing=0.1)
+    state = fit(model, data, data, opts, out + "/run", dist=dist, progress_bar=False)
+    torch.save({"params": model.state_dict(), "step": state.step, "history": state.history},
+               f"{out}/rank{dist.rank}.pt")
+    """
+)
+
+
+def test_ddp_two_processes_keep_identical_replicas(tmp_path):
+    script = tmp_path / "ddp_train.py"
+    script.write_text(DDP_SCRIPT, encoding="utf-8")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0 = torch.load(tmp_path / "rank0.pt")
+    r1 = torch.load(tmp_path / "rank1.pt")
+    assert r0["step"] == r1["step"] == 6
+    for name, p in r0["params"].items():
+        assert torch.equal(p, r1["params"][name]), name  # the replicas never drift apart
+
+    # One process on the same global batches (2 x 48 tokens) learns the same. (Parameters are
+    # not compared: Adam's first steps move every weight by ~lr * sign(gradient), so rounding
+    # noise in a near-zero gradient becomes a difference of ~lr.)
+    from attnlab.data import Pair
+    from attnlab.translate.batching import encode_pairs
+    from attnlab.translate.models import build_model, model_config
+    from attnlab.translate.tokenizer import Tokenizer
+    from attnlab.translate.trainer import TrainOptions, fit
+
+    pairs = [
+        Pair(f"{i} {i * 7 % 10} {i % 3}", f"{i % 3} {i * 7 % 10} {i}", str(i)) for i in range(40)
+    ]
+    tok = Tokenizer.train([p.source for p in pairs] + [p.target for p in pairs], "char")
+    data, _ = encode_pairs(tok, pairs)
+    torch.manual_seed(0)
+    model = build_model(model_config("transformer", "multihead", "tiny"), tok.vocab_size)
+    opts = TrainOptions(lr=3e-3, warmup=2, max_tokens=96, max_steps=6, seed=3, label_smoothing=0.1)
+    single = fit(model, data, data, opts, tmp_path / "single", progress_bar=False)
+    ddp_loss, one_loss = r0["history"][-1]["val_loss"], single.history[-1]["val_loss"]
+    assert abs(ddp_loss - one_loss) < 0.01 * one_loss, (ddp_loss, one_loss)
