@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -297,3 +298,28 @@ def test_ddp_two_processes_keep_identical_replicas(tmp_path):
     single = fit(model, data, data, opts, tmp_path / "single", progress_bar=False)
     ddp_loss, one_loss = r0["history"][-1]["val_loss"], single.history[-1]["val_loss"]
     assert abs(ddp_loss - one_loss) < 0.01 * one_loss, (ddp_loss, one_loss)
+
+
+def test_compare_chart_rows_line_up_across_panels():
+    """A variant without attention has no AER: its panel must still put every bar on its row."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from attnlab.translate.plot import compare_figure
+
+    rows = [
+        {"variant": "rnn-none", "bleu": 10.0, "chrf": 30.0, "aer_referenced": ""},
+        {"variant": "rnn-bahdanau", "bleu": 20.0, "chrf": 40.0, "aer_referenced": 5.0},
+        {"variant": "rnn-luong-dot", "bleu": 30.0, "chrf": 50.0, "aer_referenced": 7.0},
+    ]
+    fig = compare_figure(rows)
+    try:
+        assert len(fig.axes) == 3
+        limits = {tuple(ax.get_ylim()) for ax in fig.axes}
+        assert limits == {(2.5, -0.5)}  # the same rows, first on top, in every panel
+        aer = fig.axes[2]
+        widths = {round(p.get_y() + p.get_height() / 2): p.get_width() for p in aer.patches}
+        assert widths[1] == 5.0 and widths[2] == 7.0
+        assert np.isnan(widths[0])  # no bar where there is no attention
+    finally:
+        plt.close(fig)

@@ -86,6 +86,14 @@ def attention_heatmap(
 def compare_chart(path: str | os.PathLike[str], rows: list[dict], title: str = "") -> None:
     """Bar charts of BLEU, chrF and AER per variant (rows as written by ``attnlab compare``)."""
     plt = _pyplot()
+    fig = compare_figure(rows, title)
+    atomic_save_png(fig, path, dpi=130)
+    plt.close(fig)
+
+
+def compare_figure(rows: list[dict], title: str = ""):
+    """The figure of :func:`compare_chart`: one panel per metric, one row per variant."""
+    plt = _pyplot()
     names = [r["variant"] for r in rows]
     metrics = [("bleu", "BLEU (higher is better)"), ("chrf", "chrF (higher is better)")]
     if any(r.get("aer_referenced") not in (None, "") for r in rows):
@@ -99,7 +107,9 @@ def compare_chart(path: str | os.PathLike[str], rows: list[dict], title: str = "
         ax.barh(range(len(names)), values, color="tab:blue")
         ax.set_yticks(range(len(names)))
         ax.set_yticklabels(names if ax is axes[0] else [""] * len(names), fontsize=8)
-        ax.invert_yaxis()
+        # the same rows in every panel, top to bottom: a panel whose first rows have no value
+        # (no attention, no AER) must not autoscale its bars out of line with the names
+        ax.set_ylim(len(names) - 0.5, -0.5)
         ax.set_title(label, fontsize=9)
         for y, v in enumerate(values):
             if not np.isnan(v):
@@ -107,5 +117,4 @@ def compare_chart(path: str | os.PathLike[str], rows: list[dict], title: str = "
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    atomic_save_png(fig, path, dpi=130)
-    plt.close(fig)
+    return fig
