@@ -305,6 +305,7 @@ def main(args: argparse.Namespace) -> int:
         eval_limit=args.eval_limit,
         deadline=deadline,
         quiet=False,
+        progress=not args.no_progress,
     )
     log(f"total wall time {time.monotonic() - started:.0f} s")
     return 0

@@ -102,9 +102,13 @@ def final_report(
     eval_limit=None,
     deadline=None,
     quiet=False,
+    progress=None,
     plot=True,
 ) -> dict:
-    """Evaluate the trained run on the test split, write results.json and the heatmap, print."""
+    """Evaluate the trained run on the test split, write results.json and the heatmap, print.
+
+    ``quiet``: print nothing; ``progress``: progress bars (default: unless quiet).
+    """
     from attnlab.translate.pipeline import log, write_results
     from attnlab.translate.run import load_run
 
@@ -113,7 +117,14 @@ def final_report(
     if deadline is not None and beam > 1:
         beam = fitting_beam(translator, task, beam, deadline - time.monotonic(), eval_limit)
     start = time.monotonic()
-    res = evaluate(translator, task, "test", beam_size=beam, progress=not quiet, limit=eval_limit)
+    res = evaluate(
+        translator,
+        task,
+        "test",
+        beam_size=beam,
+        progress=not quiet if progress is None else progress,
+        limit=eval_limit,
+    )
     res["eval_seconds"] = round(time.monotonic() - start, 1)
     history = state.history if state is not None else []
     results = {
