@@ -156,34 +156,22 @@ def write_table(out: Path, rows: list[dict], title: str) -> None:
     w.writeheader()
     w.writerows(rows)
     atomic_write_text(out / "compare.csv", buffer.getvalue())
-    headers = (
-        "variant",
-        "params",
-        "train s",
-        "steps",
-        "epochs",
-        "val loss",
-        "BLEU",
-        "chrF",
-        "exact %",
-        "AER %",
-        "AER ref. %",
-        "best head AER ref. %",
+    # (column of the rows, header of the Markdown table)
+    shown = (
+        ("variant", "variant"),
+        ("parameters", "params"),
+        ("train_seconds", "train s"),
+        ("steps", "steps"),
+        ("epochs", "epochs"),
+        ("val_loss", "val loss"),
+        ("bleu", "BLEU"),
+        ("chrf", "chrF"),
+        ("exact_match", "exact %"),
+        ("aer", "AER %"),
+        ("aer_referenced", "AER ref. %"),
+        ("best_head_aer", "best head AER ref. %"),
     )
-    keys = (
-        "variant",
-        "parameters",
-        "train_seconds",
-        "steps",
-        "epochs",
-        "val_loss",
-        "bleu",
-        "chrf",
-        "exact_match",
-        "aer",
-        "aer_referenced",
-        "best_head_aer",
-    )
+    keys, headers = zip(*shown, strict=True)
     show = [i for i, k in enumerate(keys) if any(r.get(k) not in ("", None) for r in rows)]
     lines = [
         f"# {title}",
