@@ -152,7 +152,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--force", action="store_true", help="overwrite an existing run in --out")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    g.add_argument(
+        "--threads", type=int, default=None, help="CPU threads (default: the cores idle now, >= 1)"
+    )
     g.add_argument("--beam-size", type=int, default=None, help="beam for the test translation (4)")
     g.add_argument(
         "--eval-limit",
