@@ -121,3 +121,41 @@ def test_smollm2_real_weights(smollm2):
         )
         assert torch.equal(got, want), kind
     assert "Paris" in tok.decode(want[0, -12:])
+
+
+def test_static_cache_decode_step_compiles_as_one_graph_and_stops_recompiling():
+    """torch.compile(fullgraph=True) on a decode step with a StaticCache: no graph break, the
+    same logits as eager decoding, and no new graph after the second step (fixed shapes)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from attnlab.models.llama import LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=128
+    )
+    model = LlamaModel(cfg).eval()
+    prompt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1))
+
+    def decode(step, n, on_step=lambda i: None):
+        cache = model.make_cache("static", max_length=16)
+        logits, out = model(prompt, cache=cache), []
+        for i in range(n):
+            logits = step(logits[:, -1:].argmax(-1), cache)
+            out.append(logits)
+            on_step(i)
+        return torch.cat(out, 1)
+
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    compiled = torch.compile(
+        lambda tok, cache: model(tok, cache=cache), backend="aot_eager", fullgraph=True
+    )
+    with torch.no_grad():
+        got = decode(compiled, 6, lambda i: graphs.append(counters["stats"]["unique_graphs"]))
+        want = decode(lambda tok, cache: model(tok, cache=cache), 6)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert graphs[1] == graphs[-1], graphs  # steps 3..6 reuse the graphs of steps 1..2

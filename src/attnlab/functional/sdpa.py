@@ -205,7 +205,8 @@ def scaled_dot_product_attention(
     if attn_mask is not None:
         scores_shape = (*query.shape[:-2], L, S)
         check_mask(attn_mask, scores_shape)
-        attn_mask = attn_mask.as_subclass(torch.Tensor)  # a masks.Mask is a plain bool tensor
+        if type(attn_mask) is not torch.Tensor:  # a masks.Mask is a plain bool tensor
+            attn_mask = attn_mask.as_subclass(torch.Tensor)  # (a no-op call breaks torch.compile)
     q, k, v, mask, restore = as_4d(query, key, value, attn_mask)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
