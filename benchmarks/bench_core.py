@@ -7,12 +7,8 @@
 3. ``additive_attention`` vs the naive Bahdanau formula (seed 002's ``AdditiveAttention``):
    time and peak memory at B=8, L=S=1024, A=256. Target: >= 5x less peak memory, not slower.
 
-Allocator: a tensor of fresh memory costs page faults on first touch (~3 GB/s here, PERF.md),
-which dominates materialised weights (128 MiB at B=4, H=8, L=S=1024). PyTorch's own switch
-``THP_MEM_ALLOC_ENABLE=1`` backs large CPU allocations with transparent huge pages (5x cheaper to
-touch); it must be set before the process's first large allocation, so run the script a second
-time with it to see both: ``THP_MEM_ALLOC_ENABLE=1 python benchmarks/...``. The first line of the
-output says which allocator ran.
+Allocator: materialised weights are dominated by page faults on fresh memory; see
+``common.py`` for ``THP_MEM_ALLOC_ENABLE=1`` and run the script a second time with it.
 
 Usage: ``python benchmarks/bench_core.py [--quick] [--threads N] [--skip-naive-additive]``
 """

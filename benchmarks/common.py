@@ -3,6 +3,13 @@
 This machine's speed drifts in phases lasting seconds (up to 2.5x). So the cases compared are
 timed round-robin -- one call of each case per round -- in one process, and the figures reported
 are ratios of medians (and of bests) between cases of the same round.
+
+Allocator: a tensor of fresh memory costs page faults on first touch (~3 GB/s here, PERF.md),
+which dominates materialised weights (128 MiB at B=4, H=8, L=S=1024). PyTorch's own switch
+``THP_MEM_ALLOC_ENABLE=1`` backs large CPU allocations with transparent huge pages (5x cheaper to
+touch); it must be set before the process's first large allocation, so run the script a second
+time with it to see both: ``THP_MEM_ALLOC_ENABLE=1 python benchmarks/...``. The first line of the
+output says which allocator ran.
 """
 
 from __future__ import annotations
