@@ -50,6 +50,7 @@ class Dispatch:
         return f"{self.path}: " + "; ".join(self.reasons)
 
 
+_FUSED = Dispatch("fused", ("torch F.scaled_dot_product_attention",))
 WEIGHTS_BLOCK_BYTES = 8 * 2**20  # scores of one block of query rows, on the weights path
 
 
@@ -65,7 +66,10 @@ def _choose(
     dropout_p: float,
     return_weights: bool | str,
     value: torch.Tensor | None = None,
+    *,
+    why: bool = True,
 ) -> Dispatch:
+    """The path of a call; ``why=False`` skips writing the fused path's reasons (hot path)."""
     if return_weights and dropout_p > 0:
         return Dispatch(
             "eager", ("return_weights with dropout -- the weights must be the dropped ones",)
@@ -98,6 +102,8 @@ def _choose(
                 "back to its own math path",
             ),
         )
+    if not why:
+        return _FUSED
     reasons = ["torch F.scaled_dot_product_attention"]
     if key.shape[1] != query.shape[1]:
         reasons.append(f"grouped-query heads H={query.shape[1]}, Hkv={key.shape[1]} (enable_gqa)")
@@ -211,8 +217,9 @@ def scaled_dot_product_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
 
-    decision = _choose(q, k, mask, alignment, dropout_p, return_weights, v)
-    if not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG):
+    log = not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG)
+    decision = _choose(q, k, mask, alignment, dropout_p, return_weights, v, why=log)
+    if log:
         logger.debug("scaled_dot_product_attention %s", decision)  # (dynamo cannot trace logging)
 
     if decision.path == "fused":
