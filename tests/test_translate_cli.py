@@ -111,6 +111,22 @@ def test_evaluate_command(dates_run, capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["sentences"] == 20 and "exact_match" in res
     assert 0 <= res["alignment"]["aer_referenced"] <= 100  # dates: digits vs the words
+    # the scores are sacrebleu's on the run's own translations of the first 20 test pairs
+    import sacrebleu
+
+    from attnlab.translate import load_run
+    from attnlab.translate.tasks import load_task
+
+    translator = load_run(dates_run)
+    pairs = load_task(translator.config["task"]).split("test")[:20]
+    hyps = [
+        t.text for t in translator.translate([p.source for p in pairs], beam_size=res["beam_size"])
+    ]
+    refs = [p.target for p in pairs]
+    assert res["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=0.01)
+    assert res["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score, abs=0.01)
+    exact = 100 * sum(h == r for h, r in zip(hyps, refs, strict=True)) / len(refs)
+    assert res["exact_match"] == pytest.approx(exact, abs=0.01)
 
 
 def test_resume_continues_a_finished_run(dates_run, capsys):
