@@ -78,6 +78,11 @@ def source_tensor(src: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return pad(seqs), torch.tensor([len(s) for s in seqs], dtype=torch.long)
 
 
+def source_mask(src_lengths: torch.Tensor, S: int) -> torch.Tensor:
+    """(B,) source lengths -> (B, S) key padding mask, True = real token (no host sync)."""
+    return torch.arange(S, device=src_lengths.device)[None, :] < src_lengths[:, None]
+
+
 def collate(data: Encoded, indices) -> Batch:
     src, lengths = source_tensor([data.src[i] for i in indices])
     tgt_in = pad([[BOS] + data.tgt[i] for i in indices])

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from attnlab.translate.batching import source_mask
 from attnlab.translate.tokenizer import PAD
 
 RNN_ATTENTIONS = (
@@ -165,7 +166,7 @@ class RNNSeq2Seq(nn.Module):
         enc, _ = pad_packed_sequence(out, batch_first=True, total_length=S)  # (B, S, D)
         # h_n: (layers * 2, B, D/2); the top layer's forward (last word) and backward (first word)
         summary = torch.cat([h_n[-2], h_n[-1]], dim=-1)  # (B, D)
-        mask = torch.arange(S, device=src.device)[None, :] < src_lengths[:, None]  # (B, S)
+        mask = source_mask(src_lengths.to(src.device), S)  # (B, S)
         memory = {"enc": enc, "mask": mask, "s": torch.tanh(self.bridge(summary))}
         if self.attention_type == "bahdanau" or self.attention_type.startswith("luong-"):
             memory["keys"] = self.attn.project_keys(enc)  # W_k h_i: once per sentence

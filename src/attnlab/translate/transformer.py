@@ -25,6 +25,7 @@ import math
 import torch
 from torch import nn
 
+from attnlab.translate.batching import source_mask
 from attnlab.translate.tokenizer import PAD
 
 
@@ -151,7 +152,7 @@ class TransformerSeq2Seq(nn.Module):
     def encode(self, src: torch.Tensor, src_lengths: torch.Tensor) -> dict:
         """src (B, S) -> memory: ``mask`` (B, S) and each decoder layer's cross-attention k/v."""
         S = src.shape[1]
-        mask = torch.arange(S, device=src.device)[None, :] < src_lengths[:, None]  # (B, S)
+        mask = source_mask(src_lengths.to(src.device), S)  # (B, S)
         x = self._embed(src)
         for layer in self.encoder:
             x = layer(x, mask)
