@@ -87,3 +87,16 @@ def test_numpy_twins(L, S, alignment):
             masks.padding_mask([1, 3], 4, side=side).numpy(),
             R.padding_mask([1, 3], 4, side=side),
         )
+
+
+def test_restrict_limits_bool_masks_and_biases_to_the_allowed_keys():
+    allowed = torch.tensor([True, True, False])
+    causal = masks.causal_mask(2, 3, alignment="bottom_right")  # rows: keys 0-1, keys 0-2
+    got = masks.restrict(causal, allowed)
+    assert got.dtype == torch.bool
+    assert got.tolist() == [[True, True, False], [True, True, False]]
+    bias = torch.tensor([[0.5, -1.0, 2.0], [0.0, 3.0, 1.0]])
+    limited = masks.restrict(bias, allowed)
+    assert limited[:, :2].tolist() == bias[:, :2].tolist()  # kept where allowed
+    assert torch.isneginf(limited[:, 2]).all()
+    assert masks.restrict(None, allowed) is allowed and masks.restrict(bias, None) is bias

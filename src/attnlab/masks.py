@@ -49,6 +49,7 @@ __all__ = [
     "from_torch_mask",
     "or_masks",
     "padding_mask",
+    "restrict",
     "show",
     "sliding_window_mask",
     "to_additive",
@@ -285,6 +286,21 @@ def and_masks(*masks: torch.Tensor) -> Mask:
 def or_masks(*masks: torch.Tensor) -> Mask:
     """A position may be attended iff at least one mask allows it (broadcasting shapes)."""
     return _combine(torch.logical_or, masks, "or_masks")
+
+
+def restrict(attn_mask: torch.Tensor | None, allowed: torch.Tensor | None):
+    """``attn_mask`` (bool, or an additive bias) further limited to where ``allowed`` is True.
+
+    ``None`` means no limit. Two bool masks give their AND (a bool mask); a bias gets ``-inf``
+    where ``allowed`` is False and keeps its values elsewhere. Shapes broadcast.
+    """
+    if allowed is None:
+        return attn_mask
+    if attn_mask is None:
+        return allowed
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & allowed
+    return attn_mask.masked_fill(~allowed, float("-inf"))
 
 
 def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

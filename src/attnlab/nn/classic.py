@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from attnlab import functional as AF
+from attnlab.masks import restrict
 
 
 def _mask(attn_mask, key_padding_mask, B, S):
@@ -22,12 +23,7 @@ def _mask(attn_mask, key_padding_mask, B, S):
             f"key_padding_mask must be a (B, S) = {(B, S)} bool tensor, True = real token; got "
             f"{tuple(key_padding_mask.shape)} {key_padding_mask.dtype}."
         )
-    pad = key_padding_mask[:, None, :]  # (B, S) -> (B, 1, S)
-    if attn_mask is None:
-        return pad
-    if attn_mask.dtype == torch.bool:
-        return attn_mask & pad
-    return attn_mask.masked_fill(~pad, float("-inf"))
+    return restrict(attn_mask, key_padding_mask[:, None, :])  # (B, S) -> (B, 1, S)
 
 
 def _check_3d(name: str, x: torch.Tensor, width: int | None = None) -> None:

@@ -21,7 +21,7 @@ from torch import nn
 from attnlab import functional as AF
 from attnlab._checks import check_floating, divisors
 from attnlab.cache import Cache, SlidingWindowCache
-from attnlab.masks import sliding_window_mask
+from attnlab.masks import restrict, sliding_window_mask
 
 
 class MultiHeadAttention(nn.Module):
@@ -301,15 +301,8 @@ def _combine(mask, attn_mask, key_padding_mask, B, S):
                 f"torch.nn.MultiheadAttention means the opposite: convert it with "
                 f"attnlab.masks.from_torch_mask.)"
             )
-        pad = key_padding_mask[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
-        mask = pad if mask is None else mask & pad
-    if attn_mask is None:
-        return mask
-    if mask is None:
-        return attn_mask
-    if attn_mask.dtype == torch.bool:
-        return mask & attn_mask
-    return attn_mask.masked_fill(~mask, float("-inf"))
+        mask = restrict(mask, key_padding_mask[:, None, None, :])  # (B, S) -> (B, 1, 1, S)
+    return restrict(attn_mask, mask)
 
 
 def _check_width(name: str, x: torch.Tensor, width: int) -> None:
