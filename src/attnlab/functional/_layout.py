@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from attnlab.masks import causal_mask
+from attnlab.masks import causal_mask, restrict
 
 
 def as_4d(
@@ -86,9 +86,4 @@ def with_causal(
     if alignment is None:
         return attn_mask
     causal = causal_mask(query_length, key_length, alignment=alignment, device=device)
-    causal = causal.as_subclass(torch.Tensor)
-    if attn_mask is None:
-        return causal
-    if attn_mask.dtype == torch.bool:
-        return attn_mask & causal
-    return attn_mask.masked_fill(~causal, float("-inf"))
+    return restrict(attn_mask, causal.as_subclass(torch.Tensor))

@@ -268,6 +268,10 @@ def _weights_in_blocks(q, k, v, mask, alignment, scale, average):
     m4 = None if mask is None else mask.expand(B, H, L, S)  # a view: nothing is copied
     qs = q * scale
     kv_head = torch.arange(H, device=q.device) // G  # query head h reads kv head h // G
+    causal = None  # (L, S), built once
+    if alignment is not None:
+        causal = causal_mask(L, S, alignment=alignment, device=q.device).as_subclass(torch.Tensor)
+    can_die = m4 is not None or causal is not None  # rows with no attendable key are possible
     for b in range(B):
         for h0 in range(0, H, heads):
             h1 = min(H, h0 + heads)
@@ -280,14 +284,13 @@ def _weights_in_blocks(q, k, v, mask, alignment, scale, average):
                 if keep is not None and keep.dtype != torch.bool:
                     w.add_(keep)
                     keep = None
-                if alignment is not None:
-                    c = causal_mask(L, S, alignment=alignment, device=q.device)[r0:r1]
-                    keep = c.as_subclass(torch.Tensor) if keep is None else keep & c
+                if causal is not None:
+                    keep = causal[r0:r1] if keep is None else keep & causal[r0:r1]
                 if keep is not None:
                     w.masked_fill_(~keep, -inf)
-                dead = ~(w.amax(-1, keepdim=True) > -inf) if m4 is not None or alignment else None
+                dead = ~(w.amax(-1, keepdim=True) > -inf) if can_die else None
                 torch.softmax(w, -1, out=w)
-                if dead is not None and dead.any():
+                if dead is not None:
                     w.masked_fill_(dead, 0.0)  # rows with no attendable key: weights 0
                 torch.matmul(w, vb, out=out[b, h0:h1, r0:r1])  # (h, r, S) @ (h, S, Ev)
                 if average:

@@ -65,6 +65,7 @@ import torch
 
 from attnlab import functional as AF
 from attnlab import masks
+from attnlab.functional._layout import with_causal
 
 try:
     from transformers import AttentionInterface
@@ -250,15 +251,7 @@ def _softcapped(query, key, value, mask, alignment, scaling, softcap, dropout_p,
     L, S = query.shape[2], key.shape[2]
     scores = AF.scaled_dot_product_scores(query, key, scaling)  # (B, H, L, S), GQA mapping
     scores = softcap * torch.tanh(scores / softcap)
-    if alignment is not None:
-        causal = masks.causal_mask(L, S, alignment=alignment, device=query.device)
-        causal = causal.as_subclass(torch.Tensor)
-        if mask is None:
-            mask = causal
-        elif mask.dtype == torch.bool:
-            mask = mask & causal
-        else:
-            mask = mask.masked_fill(~causal, float("-inf"))
+    mask = with_causal(mask, alignment, L, S, query.device)
     return AF.attention(scores, value, mask, dropout_p=dropout_p, return_weights=return_weights)
 
 
