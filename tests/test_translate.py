@@ -225,8 +225,9 @@ def test_beam_search_finds_at_least_greedy_score():
     model = build_model(model_config("rnn", "luong-general", "tiny"), 40).eval()
     src, lengths, _ = random_batch(seed=3)
 
-    def logp(tokens, b):
-        seq = [BOS] + tokens + [EOS]
+    def logp(hyp, b):
+        """Teacher-forced log-probability of a hypothesis (and of its EOS, if it ended so)."""
+        seq = [BOS] + hyp.tokens + ([EOS] if hyp.eos else [])
         with torch.no_grad():
             out = torch.log_softmax(
                 model(src[b : b + 1], lengths[b : b + 1], torch.tensor([seq[:-1]])), -1
@@ -236,8 +237,10 @@ def test_beam_search_finds_at_least_greedy_score():
     g = greedy(model, src, lengths)
     b = beam_search(model, src, lengths, beam_size=5, length_penalty=0.0)
     for i in range(3):
-        if g[i].eos and b[i].eos:
-            assert logp(b[i].tokens, i) >= logp(g[i].tokens, i) - 1e-4
+        # the scores the decoders report are the model's log-probabilities of what they chose
+        assert g[i].score == pytest.approx(logp(g[i], i), abs=1e-4)
+        assert b[i].score == pytest.approx(logp(b[i], i), abs=1e-4)
+        assert b[i].score >= g[i].score - 1e-4
 
 
 # ------------------------------------------------------------------------------ training
