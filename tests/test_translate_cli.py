@@ -244,6 +244,18 @@ def test_compare_two_variants(tmp_path, capsys):
     md = (out / "compare.md").read_text()
     assert "rnn-none" in md and "transformer-gqa" in md
     assert (out / "compare.csv").read_text().count("\n") == 3
+    # each row carries its own variant's scores, as its run directory recorded them
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["variant"] for r in rows] == ["rnn-none", "transformer-gqa"]
+    for row in rows:
+        results = json.loads((out / row["variant"] / "results.json").read_text())
+        test = results["test"]
+        assert (row["bleu"], row["chrf"]) == (test["bleu"], test["chrf"])
+        assert row["parameters"] == results["parameters"]
+        if row["variant"] == "rnn-none":
+            assert row["aer"] == "" and "alignment" not in test  # no attention, no AER
+        else:
+            assert row["aer"] == test["alignment"]["aer"]
 
 
 DDP_SCRIPT = textwrap.dedent(
