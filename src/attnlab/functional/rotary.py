@@ -54,17 +54,28 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0
     Returns:
         (B, H, L, E), the dtype of ``x`` (angles are computed in float32).
     """
-    check_floating("x", x)
-    if positions.dim() not in (1, 2) or positions.shape[-1] != x.shape[-2]:
+    return apply_rotary_qk(x, None, positions, base)[0]
+
+
+def apply_rotary_qk(
+    query: torch.Tensor, key: torch.Tensor | None, positions: torch.Tensor, base: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`apply_rotary` on queries (B, H, L, E) and keys (B, Hkv, L, E) at the same
+    positions, computing the angles once (an attention layer's every step)."""
+    check_floating("x", query)
+    if positions.dim() not in (1, 2) or positions.shape[-1] != query.shape[-2]:
         raise ValueError(
-            f"positions must be (L,) or (B, L) with L = {x.shape[-2]}; got "
+            f"positions must be (L,) or (B, L) with L = {query.shape[-2]}; got "
             f"{tuple(positions.shape)}."
         )
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    cos, sin = rotary_angles(positions, x.shape[-1], base, dtype)
+    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    cos, sin = rotary_angles(positions, query.shape[-1], base, dtype)
     if positions.dim() == 2:  # (B, L, E) -> (B, 1, L, E): the same positions for every head
         cos, sin = cos[:, None], sin[:, None]
-    xf = x.to(dtype)
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(dtype)
+        x1, x2 = xf.chunk(2, dim=-1)
+        return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+    return rotate(query), None if key is None else rotate(key)

@@ -21,6 +21,7 @@ from torch import nn
 from attnlab import functional as AF
 from attnlab._checks import check_floating, divisors
 from attnlab.cache import Cache, SlidingWindowCache
+from attnlab.functional.rotary import apply_rotary_qk
 from attnlab.masks import restrict, sliding_window_mask
 
 
@@ -183,8 +184,7 @@ class MultiHeadAttention(nn.Module):
         if self.rope_base is not None:
             if position_ids is None:
                 position_ids = torch.arange(past, past + L, device=query.device)
-            q = AF.apply_rotary(q, position_ids, self.rope_base)
-            k = AF.apply_rotary(k, position_ids, self.rope_base)
+            q, k = apply_rotary_qk(q, k, position_ids, self.rope_base)  # angles computed once
         mask = None
         if cache is not None:
             k, v, mask, causal = self._from_cache(cache, k, v, key_padding_mask, causal, past, L)
