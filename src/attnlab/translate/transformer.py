@@ -131,6 +131,8 @@ class TransformerSeq2Seq(nn.Module):
         self.attention_type = self.hparams["attention"]
         self.d_model = d_model
         self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=PAD)
+        # position codes, computed once and grown on demand (not saved: they are a formula)
+        self.register_buffer("pe", sinusoids(256, d_model), persistent=False)
         self.drop = nn.Dropout(dropout)
         self.encoder = nn.ModuleList(
             EncoderLayer(d_model, heads, kv_heads, d_ff, dropout) for _ in range(enc_layers)
@@ -147,7 +149,10 @@ class TransformerSeq2Seq(nn.Module):
 
     def _embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         x = self.embedding(ids) * math.sqrt(self.d_model)  # (B, L, D)
-        return self.drop(x + sinusoids(ids.shape[1], self.d_model, offset, ids.device))
+        end = offset + ids.shape[1]
+        if end > self.pe.shape[0]:
+            self.pe = sinusoids(max(end, 2 * self.pe.shape[0]), self.d_model, device=ids.device)
+        return self.drop(x + self.pe[offset:end])
 
     def encode(self, src: torch.Tensor, src_lengths: torch.Tensor) -> dict:
         """src (B, S) -> memory: ``mask`` (B, S) and each decoder layer's cross-attention k/v."""
