@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from attnlab._files import atomic_write_json, atomic_write_text
+from attnlab.viz._arrays import short
 
 EXAMPLE = "Write a poem about a man fishing on a river bank"
 DEFAULT_MAX_TOKENS = 512
@@ -277,7 +278,6 @@ def _write(fig: Any, path: Path, written: list[str]) -> None:
 
 
 def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progress) -> int:
-    import numpy as np
 
     from attnlab.viz import heatmap, movement
     from attnlab.viz.explorer import write_explorer
@@ -305,7 +305,7 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
         heatmap.plot_attention_grid(
             trace.attentions,
             trace.tokens,
-            title=f"{name}: attention weights of every layer and head\n{_clip(args.text)}",
+            title=f"{name}: attention weights of every layer and head\n{short(args.text, 90)}",
         ),
         out / "grid.png",
         written,
@@ -325,7 +325,7 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
         written,
     )
     if trace.has_head_writes:
-        afters = np.stack([trace.after_head(layer, h) for h in range(trace.num_heads)])
+        afters = trace.before(layer)[None] + trace.head_writes(layer)  # [H, L, D], one pass
         _write(
             movement.plot_head_movements(
                 trace.before(layer),
@@ -379,10 +379,6 @@ def _summary(out: Path, written: list[str], facts: dict[str, Any]) -> None:
     atomic_write_json(out / "summary.json", facts, indent=2)
 
 
-def _clip(text: str, n: int = 90) -> str:
-    return text if len(text) <= n else text[: n - 1] + "…"
-
-
 # ---------------------------------------------------------------------------------------------
 # --compare
 
@@ -416,12 +412,12 @@ def _compare(args, texts: list[str], model, tokenizer, out: Path, say: _Progress
     names = [chr(ord("A") + i) for i in range(len(texts))]
     out.mkdir(parents=True, exist_ok=True)
     written: list[str] = []
-    curves = {f"A vs {names[k + 1]}: “{_clip(texts[k + 1], 50)}”": D[k] for k in range(len(D))}
+    curves = {f"A vs {names[k + 1]}: “{short(texts[k + 1], 50)}”": D[k] for k in range(len(D))}
     _write(
         plot_word_distances(
             curves,
             word=word,
-            title=f"{args.model}: how far apart {word!r} ends up\nA: “{_clip(texts[0], 70)}”",
+            title=f"{args.model}: how far apart {word!r} ends up\nA: “{short(texts[0], 70)}”",
         ),
         out / "compare.png",
         written,
@@ -517,7 +513,7 @@ def _explain_translation(args, out: Path, say: _Progress) -> int:
             trace.tokens,
             trace.keys,
             layer_names=trace.layer_names,
-            title=f"{trace.model}: cross-attention\n{_clip(args.text)}",
+            title=f"{trace.model}: cross-attention\n{short(args.text, 90)}",
         ),
         out / "grid.png",
         written,

@@ -49,6 +49,7 @@ import numpy as np
 
 from attnlab._files import atomic_write_text
 
+from ._arrays import short
 from ._explorer_assets import CSS, JS
 from .projection import fit_pca
 from .trace import Trace, default_fit_on
@@ -190,7 +191,7 @@ def build_explorer(trace: Trace, *, title: str | None = None, **kwargs: Any) -> 
     """
     data = explorer_data(trace, **kwargs)
     if title is None:
-        text = trace.text if len(trace.text) <= 80 else trace.text[:79] + "…"
+        text = short(trace.text, 80)
         title = f"attnlab · {trace.model} · {text}" if text else f"attnlab · {trace.model}"
     # "<" escaped inside the JSON: no "</script>" or "<!--" can end the data block early
     payload = json.dumps(data, ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")
