@@ -147,10 +147,12 @@ class Cache:
                 f"index must be a 1-D integer tensor of batch rows; got {tuple(index.shape)} "
                 f"{index.dtype}."
             )
+        if not self._layers:
+            return
+        B = next(iter(self._layers.values())).keys.shape[0]  # every layer holds the same batch
+        if len(index) and (int(index.min()) < 0 or int(index.max()) >= B):  # checked once
+            raise ValueError(f"index must lie in [0, {B}); got {index.tolist()}.")
         for layer in self._layers.values():
-            B = layer.keys.shape[0]
-            if len(index) and (int(index.min()) < 0 or int(index.max()) >= B):
-                raise ValueError(f"index must lie in [0, {B}); got {index.tolist()}.")
             layer.reorder(index.to(layer.keys.device))
             layer.view = None  # stale until the next update
 
