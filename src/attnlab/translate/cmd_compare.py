@@ -210,10 +210,10 @@ def main(args: argparse.Namespace) -> int:
         read_results,
         resolve,
         train_run,
+        train_tokenizer,
     )
     from attnlab.translate.report import final_report
     from attnlab.translate.tasks import load_task
-    from attnlab.translate.tokenizer import Tokenizer
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
@@ -256,6 +256,7 @@ def main(args: argparse.Namespace) -> int:
         f"Attention variants on {task_name}: {budget_text} each, size {args.size}, seed {args.seed}"
     )
     started_all = time.monotonic()
+    task = None
     for n, variant in enumerate(variants, 1):
         run_dir = out / variant
         done = read_results(run_dir)
@@ -281,18 +282,19 @@ def main(args: argparse.Namespace) -> int:
         if run_dir.exists():
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True)
-        if not shared_tokenizer.is_file():
+        if task is None:  # the same data for every variant: loaded once
             task = load_task(config["task"])
-            tok = Tokenizer.train(
-                [p.source for p in task.train] + [p.target for p in task.train],
-                config["tokenizer"]["kind"],
-                config["tokenizer"]["vocab_size"],
-            )
-            tok.save(shared_tokenizer)
+        if not shared_tokenizer.is_file():
+            train_tokenizer(task, config).save(shared_tokenizer)
         shutil.copyfile(shared_tokenizer, run_dir / ckpt.TOKENIZER)
         ckpt.atomic_write_json(run_dir / ckpt.CONFIG, config)
         _, _, task, state, dist = train_run(
-            run_dir, config, device=device, threads=args.threads, progress_bar=not args.no_progress
+            run_dir,
+            config,
+            device=device,
+            threads=args.threads,
+            progress_bar=not args.no_progress,
+            task=task,
         )
         if not dist.main:
             continue

@@ -252,10 +252,7 @@ def train_run(
     tok_path = run_dir / ckpt.TOKENIZER
     if dist.main and not tok_path.is_file():
         t0 = time.monotonic()
-        texts = [p.source for p in task.train] + [p.target for p in task.train]
-        tokenizer = Tokenizer.train(
-            texts, config["tokenizer"]["kind"], config["tokenizer"]["vocab_size"]
-        )
+        tokenizer = train_tokenizer(task, config)
         tokenizer.save(tok_path)
         log(
             f"tokenizer: {tokenizer.kind}, {tokenizer.vocab_size:,} symbols, trained in "
@@ -307,6 +304,12 @@ def train_run(
     if dist.main and not getattr(state, "interrupted", False):
         ckpt.save_tensors(run_dir / ckpt.WEIGHTS, ckpt.model_state(model))
     return model, tokenizer, task, state, dist
+
+
+def train_tokenizer(task, config: dict) -> Tokenizer:
+    """The run's vocabulary, trained on both sides of the task's training split."""
+    texts = [p.source for p in task.train] + [p.target for p in task.train]
+    return Tokenizer.train(texts, config["tokenizer"]["kind"], config["tokenizer"]["vocab_size"])
 
 
 def add_run_arguments(parser) -> None:
