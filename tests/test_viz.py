@@ -439,6 +439,7 @@ def test_trace_translation_reads_rnn_and_transformer_results():
     t = trace_translation(rnn, name="rnn")
     assert t.attentions.shape == (1, 1, 3, 4) and t.kind == "cross" and not t.has_movement
     assert t.keys == rnn["source_tokens"] and t.layer_names == ["attention"]
+    np.testing.assert_allclose(t.attentions[0, 0], rnn["attention"], rtol=1e-6)
 
     class Result:  # the shape of attnlab.translate's Translation
         source = "the old man"
@@ -448,6 +449,7 @@ def test_trace_translation_reads_rnn_and_transformer_results():
 
     t = trace_translation(Result(), name="transformer")
     assert t.layer_names == ["decoder layer 0", "decoder layer 1"] and t.num_heads == 4
+    np.testing.assert_allclose(t.attentions, Result.attention, rtol=1e-6)
     with pytest.raises(ValueError, match="returned no attention"):
         trace_translation({**rnn, "attention": None})
 
