@@ -252,7 +252,7 @@ def _tiny_opts(**kw):
         "label_smoothing": 0.0,
         "seed": 5,
         "eval_every": 0.5,
-        "checkpoint_every": 1e9,
+        "checkpoint_seconds": 1e9,
     }
     base.update(kw)
     return TrainOptions.from_dict(base)

@@ -12,8 +12,10 @@ the step count, hence the result, depend on the machine's speed.
 
 **Resume.** A checkpoint holds the parameters, the optimizer's moments, the step, the epoch and
 the position in that epoch's batch order (which depends only on the seed and the epoch), and the
-torch / Python / NumPy random states. Restoring all of it makes a resumed run continue exactly
-as the uninterrupted one: the same batches, the same dropout masks, bit-identical parameters.
+torch / Python / NumPy random states; one is written every ``checkpoint_seconds`` of training
+(``attnlab train --checkpoint-every MIN``) and at the end. Restoring all of it makes a resumed
+run continue exactly as the uninterrupted one: the same batches, the same dropout masks,
+bit-identical parameters.
 Ctrl-C (SIGINT) or SIGTERM finishes the current step, saves a checkpoint and stops; a second
 Ctrl-C stops at once (the last checkpoint is still intact: checkpoints are written atomically).
 
@@ -65,10 +67,13 @@ class TrainOptions:
     seed: int = 1
     eval_every: float = 0.2  # validation loss every this fraction of progress
     val_pairs: int = 300  # validation pairs used for that (the first ones)
-    checkpoint_every: float = 600.0  # seconds between checkpoints (and at every epoch's end)
+    checkpoint_seconds: float = 120.0  # seconds of training between checkpoints
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainOptions:
+        d = dict(d)
+        if "checkpoint_every" in d:  # its former name, in older config.json files
+            d.setdefault("checkpoint_seconds", d.pop("checkpoint_every"))
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 
@@ -395,16 +400,13 @@ def fit(
                 if progress() >= next_eval:
                     next_eval += opts.eval_every
                     validate()
-                if time.monotonic() - last_ckpt > opts.checkpoint_every:
-                    save()
+                if time.monotonic() - last_ckpt >= opts.checkpoint_seconds:
+                    save()  # a kill loses at most checkpoint_seconds of training
                     last_ckpt = time.monotonic()
             if interrupted or finished:
                 break
             state.epoch += 1
             state.position = 0
-            if time.monotonic() - last_ckpt > min(60.0, opts.checkpoint_every):
-                save()  # at an epoch's end, unless one was written less than a minute ago
-                last_ckpt = time.monotonic()
         if not state.history or state.history[-1]["step"] != state.step:
             validate()
         save()
