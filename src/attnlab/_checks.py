@@ -11,6 +11,8 @@ dim, ``D`` model dim, ``P`` cached length.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
@@ -38,10 +40,10 @@ def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> No
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_floating(name, t)
-    if query.dim() not in (2, 3, 4):
+    if query.dim() < 2:
         raise ValueError(
-            f"query must have 2, 3 or 4 dims (L, E), (B, L, E) or (B, H, L, E); got shape "
-            f"{tuple(query.shape)}. Fix: reshape it to (B, H, L, E)."
+            f"query must have at least 2 dims: (L, E), (B, L, E), (B, H, L, E) or (..., B, H, L, "
+            f"E); got shape {tuple(query.shape)}. Fix: reshape it to (B, H, L, E)."
         )
     for name, t in (("key", key), ("value", value)):
         if t.dim() != query.dim():
@@ -77,15 +79,21 @@ def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> No
             f"key and value must have the same leading dims; got key {tuple(key.shape)} and "
             f"value {tuple(value.shape)}."
         )
-    if query.dim() >= 3 and key.shape[0] != query.shape[0]:
-        raise ValueError(
-            f"batch size B must match: query has {query.shape[0]}, key/value have "
-            f"{key.shape[0]} (query {tuple(query.shape)}, key {tuple(key.shape)}). "
-            f"Fix: pass one key/value sequence per query sequence."
+    batch = query.shape[:-3] if query.dim() >= 4 else query.shape[:-2]
+    if key.shape[: len(batch)] != batch:
+        got_q, got_k = (
+            (batch[0], key.shape[0])
+            if len(batch) == 1
+            else (tuple(batch), tuple(key.shape[: len(batch)]))
         )
-    if query.dim() == 4:
-        h, hkv = query.shape[1], key.shape[1]
-        if hkv == 0 or h % hkv != 0:
+        raise ValueError(
+            f"batch size B must match: query has {got_q}, key/value have {got_k} (query "
+            f"{tuple(query.shape)}, key {tuple(key.shape)}). Fix: pass one key/value sequence "
+            f"per query sequence."
+        )
+    if query.dim() >= 4:
+        h, hkv = query.shape[-3], key.shape[-3]
+        if (hkv == 0 and h != 0) or (hkv != 0 and h % hkv != 0):
             raise ValueError(
                 f"key/value heads Hkv must divide query heads H (grouped-query attention: "
                 f"query head h reads kv head h // (H // Hkv)); got H={h}, Hkv={hkv}. "
@@ -116,13 +124,49 @@ def check_mask(attn_mask: torch.Tensor, target: tuple[int, ...], name: str = "at
             f"scores have shape {target}. Fix: give it at most {len(target)} dims."
         )
     try:
-        torch.broadcast_shapes(attn_mask.shape, target)
+        broadcast = torch.broadcast_shapes(attn_mask.shape, target)
     except RuntimeError:
+        broadcast = None
+    if broadcast != torch.Size(target):
         raise ValueError(
             f"{name} of shape {tuple(attn_mask.shape)} does not broadcast to the scores' shape "
             f"{target} (..., L, S). Fix: give it shape (L, S), (B, 1, L, S), (B, 1, 1, S) or any "
-            f"shape that broadcasts; a key padding mask of shape (B, S) needs [:, None, None, :]."
-        ) from None
+            f"shape that broadcasts to it without enlarging it; a key padding mask of shape "
+            f"(B, S) needs [:, None, None, :]."
+        )
+
+
+def check_scale(scale: float | None) -> None:
+    """Raise unless ``scale`` is None or a finite real number (NaN would silently become 0s)."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+        raise ValueError(
+            f"scale must be a finite number (the multiplier of the scores) or None for "
+            f"1/sqrt(E); got {scale!r}. Fix: pass e.g. scale=1.0, or leave it out."
+        )
+
+
+def check_bias_range(attn_mask: torch.Tensor, dtype: torch.dtype, name: str = "attn_mask") -> None:
+    """Refuse a float mask whose finite values overflow to -inf in the inputs' ``dtype``.
+
+    A float32 mask filled with ``torch.finfo(torch.float32).min`` gives uniform weights to a
+    row it covers entirely; cast to float16 those values become ``-inf`` and the row would be
+    dead instead. Rather than answer differently per dtype, such a mask is refused (eagerly;
+    a traced call cannot look at values and casts as torch does).
+    """
+    if attn_mask.dtype == torch.bool or torch.finfo(attn_mask.dtype).min >= torch.finfo(dtype).min:
+        return
+    if torch.compiler.is_compiling():
+        return
+    low = torch.finfo(dtype).min
+    if bool(((attn_mask < low) & (attn_mask > float("-inf"))).any()):
+        raise ValueError(
+            f"{name} ({attn_mask.dtype}) holds finite values below {dtype}'s range (< {low:g}, "
+            f"e.g. torch.finfo({attn_mask.dtype}).min); in {dtype} they would become -inf and "
+            f"change which rows attend at all. Fix: mark masked positions with -inf (or use a "
+            f"bool mask, True = may attend), or build the bias in {dtype}."
+        )
 
 
 def check_dropout(dropout_p: float) -> None:

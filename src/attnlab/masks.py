@@ -49,6 +49,7 @@ __all__ = [
     "from_torch_mask",
     "or_masks",
     "padding_mask",
+    "plain",
     "restrict",
     "show",
     "sliding_window_mask",
@@ -70,6 +71,10 @@ class Mask(torch.Tensor):
     def __new__(cls, data: torch.Tensor) -> Mask:
         if data.dtype != torch.bool:
             raise TypeError(f"Mask holds a bool tensor; got dtype {data.dtype}.")
+        if type(data) is not torch.Tensor or torch.compiler.is_compiling():
+            # Traced (torch.compile, torch.export, AOTAutograd: fake or functional tensors):
+            # the picture is for people, so the plain tensor goes on through the graph.
+            return data
         return torch.Tensor._make_subclass(cls, data, False)
 
     @classmethod
@@ -81,6 +86,11 @@ class Mask(torch.Tensor):
         return show(self)
 
     __str__ = __repr__
+
+
+def plain(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """``mask`` as a plain ``torch.Tensor`` (a :class:`Mask` unwrapped; anything else as is)."""
+    return mask.as_subclass(torch.Tensor) if isinstance(mask, Mask) else mask
 
 
 def show(mask: torch.Tensor, max_rows: int = 24, max_cols: int = 48) -> str:
@@ -154,8 +164,13 @@ def causal_mask(
     ``bottom_right`` and L > S the first ``L - S`` queries see no key at all: attnlab gives such
     fully masked rows weight 0 and output 0.
     """
+    return Mask(causal_keep(query_length, key_length, alignment, device))
+
+
+def causal_keep(query_length: int, key_length: int | None, alignment: str | None, device):
+    """:func:`causal_mask` as a plain bool tensor (L, S), for attnlab's own computations."""
     q_pos, k_pos = _positions(query_length, key_length, alignment, device)
-    return Mask(k_pos <= q_pos)
+    return k_pos <= q_pos
 
 
 def sliding_window_mask(
@@ -244,7 +259,7 @@ def expand_key_padding(key_padding_mask: torch.Tensor) -> Mask:
             f"{tuple(key_padding_mask.shape)} {key_padding_mask.dtype}. Fix: lengths can be "
             f"turned into one with attnlab.masks.padding_mask(lengths)."
         )
-    return Mask(key_padding_mask.as_subclass(torch.Tensor)[:, None, None, :])
+    return Mask(plain(key_padding_mask)[:, None, None, :])
 
 
 def from_torch_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -259,7 +274,7 @@ def from_torch_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
         return mask
     if mask.dtype != torch.bool:
         raise TypeError(f"from_torch_mask expects a bool or float mask; got {mask.dtype}.")
-    return Mask(~mask.as_subclass(torch.Tensor))
+    return Mask(~plain(mask))
 
 
 def _combine(op, masks: tuple[torch.Tensor, ...], name: str) -> Mask:
@@ -272,9 +287,9 @@ def _combine(op, masks: tuple[torch.Tensor, ...], name: str) -> Mask:
                 f"{getattr(m, 'dtype', type(m).__name__)}. Fix: convert an additive bias with "
                 f"attnlab.masks.to_bool."
             )
-    out = masks[0].as_subclass(torch.Tensor)
+    out = plain(masks[0])
     for m in masks[1:]:
-        out = op(out, m.as_subclass(torch.Tensor))
+        out = op(out, plain(m))
     return Mask(out)
 
 
@@ -312,11 +327,11 @@ def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch
     if mask.dtype != torch.bool:
         raise TypeError(f"to_additive expects a bool mask; got {mask.dtype}.")
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    return bias.masked_fill_(~mask.as_subclass(torch.Tensor), float("-inf"))
+    return bias.masked_fill_(~plain(mask), float("-inf"))
 
 
 def to_bool(bias: torch.Tensor) -> Mask:
     """Additive bias -> bool mask: True wherever the bias is not ``-inf``."""
     if not bias.is_floating_point():
         raise TypeError(f"to_bool expects a floating additive bias; got {bias.dtype}.")
-    return Mask(bias.as_subclass(torch.Tensor) > float("-inf"))
+    return Mask(plain(bias) > float("-inf"))

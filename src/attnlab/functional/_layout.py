@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from attnlab.masks import causal_mask, restrict
+from attnlab.masks import causal_keep, restrict
 
 
 def as_4d(
@@ -29,14 +29,25 @@ def as_4d(
     value: torch.Tensor,
     attn_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, Callable]:
-    """Bring (L, E) / (B, L, E) / (B, H, L, E) inputs to 4-D; return a function to undo it.
+    """Bring (L, E) / (B, L, E) / (B, H, L, E) / (..., B, H, L, E) inputs to 4-D.
 
-    A mask given for the user's layout (..., L, S) is brought to broadcast against
+    Returns the 4-D query, key, value and mask and a function that gives a 4-D result the
+    user's layout back. Leading dims beyond four are flattened into B (as torch SDPA accepts
+    them). A mask given for the user's layout (..., L, S) is brought to broadcast against
     (B, H, L, S) the same way.
     """
     nd = query.dim()
     if nd == 4:
         return query, key, value, attn_mask, lambda t: t
+    if attn_mask is not None:  # (..., L, S) -> as many dims as the scores
+        attn_mask = attn_mask.reshape((1,) * (nd - attn_mask.dim()) + tuple(attn_mask.shape))
+    if nd > 4:  # (..., B, H, L, E) -> (B', H, L, E), B' the product of the leading dims
+        lead = query.shape[:-3]
+        flat = lambda t: t.reshape(-1, *t.shape[-3:])  # noqa: E731
+        if attn_mask is not None:
+            attn_mask = flat(attn_mask.expand(*lead, *attn_mask.shape[-3:]))
+        unflat = lambda t: t.reshape(*lead, *t.shape[1:])  # noqa: E731
+        return flat(query), flat(key), flat(value), attn_mask, unflat
     if nd == 3:  # (B, L, E) -> (B, 1, L, E): a single head
         lift = lambda t: t.unsqueeze(1)  # noqa: E731
         drop = lambda t: t.squeeze(1)  # noqa: E731
@@ -44,9 +55,24 @@ def as_4d(
         lift = lambda t: t[None, None]  # noqa: E731
         drop = lambda t: t[0, 0]  # noqa: E731
     if attn_mask is not None:
-        attn_mask = attn_mask.reshape((1,) * (nd - attn_mask.dim()) + tuple(attn_mask.shape))
         attn_mask = lift(attn_mask)
     return lift(query), lift(key), lift(value), attn_mask, drop
+
+
+def nonfinite_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Which output rows a NaN or an infinity reaches: (B, H, L, E), (B, Hkv, S, *) -> (B, H, L, 1).
+
+    attnlab's policy (docs/conventions.md): non-finite inputs propagate as NaN, never turn
+    into numbers. Output row ``i`` of head ``h`` is NaN when query row ``i`` holds a NaN or an
+    inf, or when any key or value of the kv head that ``h`` reads does -- masked or not, as in
+    torch's kernels (a mask does not clean a NaN).
+    """
+    B, H, L, _ = query.shape
+    Hkv = key.shape[1]
+    bad = ~torch.isfinite(query).all(-1, keepdim=True)  # (B, H, L, 1)
+    kv_ok = torch.isfinite(key).flatten(2).all(-1) & torch.isfinite(value).flatten(2).all(-1)
+    kv_bad = ~kv_ok.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv) -> (B, H): head h reads h // G
+    return bad | kv_bad[:, :, None, None]
 
 
 def grouped_scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -85,5 +111,4 @@ def with_causal(
     """
     if alignment is None:
         return attn_mask
-    causal = causal_mask(query_length, key_length, alignment=alignment, device=device)
-    return restrict(attn_mask, causal.as_subclass(torch.Tensor))
+    return restrict(attn_mask, causal_keep(query_length, key_length, alignment, device))

@@ -24,6 +24,7 @@ import torch
 from attnlab._checks import causal_alignment, check_floating, check_mask, check_qkv
 from attnlab.functional._layout import as_4d, grouped_scores, grouped_weighted_sum, with_causal
 from attnlab.functional.softmax import LOW_PRECISION, apply_mask, masked_softmax
+from attnlab.masks import plain
 
 MODES = ("argmax", "sample", "topk")
 
@@ -135,7 +136,7 @@ def hard_attention(
     alignment = causal_alignment(is_causal, L, S)
     if attn_mask is not None:
         check_mask(attn_mask, (*query.shape[:-2], L, S))
-        attn_mask = attn_mask.as_subclass(torch.Tensor)
+        attn_mask = plain(attn_mask)
     q, k, v, mask, restore = as_4d(query, key, value, attn_mask)
     if noise is not None:
         if tuple(noise.shape) != (*query.shape[:-2], L, S):

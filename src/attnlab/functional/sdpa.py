@@ -29,10 +29,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnlab._checks import causal_alignment, check_dropout, check_mask, check_qkv
-from attnlab.functional._layout import as_4d, grouped_scores, grouped_weighted_sum, with_causal
+from attnlab._checks import (
+    causal_alignment,
+    check_bias_range,
+    check_dropout,
+    check_mask,
+    check_qkv,
+    check_scale,
+)
+from attnlab.functional._layout import (
+    as_4d,
+    grouped_scores,
+    grouped_weighted_sum,
+    nonfinite_rows,
+    with_causal,
+)
 from attnlab.functional.softmax import masked_softmax
-from attnlab.masks import causal_mask
+from attnlab.masks import causal_keep, plain
 
 inf = float("inf")
 
@@ -70,6 +83,14 @@ def _choose(
     why: bool = True,
 ) -> Dispatch:
     """The path of a call; ``why=False`` skips writing the fused path's reasons (hot path)."""
+    if 0 in query.shape or 0 in key.shape[-2:]:
+        return Dispatch(
+            "eager",
+            (
+                f"an empty dimension (query {tuple(query.shape)}, key "
+                f"{tuple(key.shape)}): nothing to fuse",
+            ),
+        )
     if return_weights and dropout_p > 0:
         return Dispatch(
             "eager", ("return_weights with dropout -- the weights must be the dropped ones",)
@@ -134,6 +155,7 @@ def explain(
     """Which path :func:`scaled_dot_product_attention` takes for these inputs, and why."""
     check_qkv(query, key, value)
     alignment = causal_alignment(is_causal, query.shape[-2], key.shape[-2])
+    attn_mask = plain(attn_mask)
     q, k, v, mask, _ = as_4d(query, key, value, attn_mask)
     return _choose(q, k, mask, alignment, dropout_p, return_weights, v)
 
@@ -201,6 +223,7 @@ def scaled_dot_product_attention(
     """
     check_qkv(query, key, value)
     check_dropout(dropout_p)
+    check_scale(scale)
     if return_weights not in (False, True, "average"):
         raise ValueError(
             f"return_weights must be False, True (per head) or 'average' (mean over heads); "
@@ -211,20 +234,25 @@ def scaled_dot_product_attention(
     if attn_mask is not None:
         scores_shape = (*query.shape[:-2], L, S)
         check_mask(attn_mask, scores_shape)
-        if type(attn_mask) is not torch.Tensor:  # a masks.Mask is a plain bool tensor
-            attn_mask = attn_mask.as_subclass(torch.Tensor)  # (a no-op call breaks torch.compile)
+        check_bias_range(attn_mask, query.dtype)
+        attn_mask = plain(attn_mask)  # a masks.Mask is a bool tensor that prints as a picture
     q, k, v, mask, restore = as_4d(query, key, value, attn_mask)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    if scale is None:  # E = 0: every score is 0 whatever the scale (torch: the mean of values)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
+    if q.shape[1] == 0:  # H = 0 (and Hkv = 0): no heads, nothing to compute
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+        weights = q.new_zeros(q.shape[0], 1 if return_weights == "average" else 0, L, S)
+        return _finish(out, weights, return_weights, restore, query.dim())
 
     log = not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG)
     decision = _choose(q, k, mask, alignment, dropout_p, return_weights, v, why=log)
     if log:
         logger.debug("scaled_dot_product_attention %s", decision)  # (dynamo cannot trace logging)
 
+    weights = None
     if decision.path == "fused":
-        return restore(_fused(q, k, v, mask, alignment, scale, dropout_p))
-    if decision.path == "weights":
+        out = _fused(q, k, v, mask, alignment, scale, dropout_p)
+    elif decision.path == "weights":
         out, weights = _weights_in_blocks(
             q, k, v, mask, alignment, scale, return_weights == "average"
         )
@@ -232,9 +260,23 @@ def scaled_dot_product_attention(
         out, weights = _eager(q, k, v, mask, alignment, scale, dropout_p)
         if return_weights == "average":
             weights = weights.mean(1, keepdim=True)
+    # NaN/inf in the inputs propagate (no path may turn them into numbers): see nonfinite_rows
+    bad = nonfinite_rows(q, k, v)  # (B, H, L, 1)
+    out = out.masked_fill(bad, float("nan"))
+    if return_weights:
+        weights = weights.masked_fill(
+            bad.any(1, keepdim=True) if weights.shape[1] == 1 else bad, float("nan")
+        )
+    return _finish(out, weights, return_weights, restore, query.dim())
+
+
+def _finish(out, weights, return_weights, restore, ndim):
+    """(B, H, L, Ev) output and (B, H or 1, L, S) weights -> the user's layout and return."""
+    if not return_weights:
+        return restore(out)
     if return_weights == "average":  # (B, 1, L, S) -> (B, L, S), in the user's layout
-        return restore(out), restore(weights).squeeze(-3) if query.dim() == 4 else restore(weights)
-    return (restore(out), restore(weights)) if return_weights else restore(out)
+        return restore(out), restore(weights).squeeze(-3) if ndim >= 4 else restore(weights)
+    return restore(out), restore(weights)
 
 
 def _eager(q, k, v, mask, alignment, scale, dropout_p):
@@ -270,7 +312,7 @@ def _weights_in_blocks(q, k, v, mask, alignment, scale, average):
     kv_head = torch.arange(H, device=q.device) // G  # query head h reads kv head h // G
     causal = None  # (L, S), built once
     if alignment is not None:
-        causal = causal_mask(L, S, alignment=alignment, device=q.device).as_subclass(torch.Tensor)
+        causal = causal_keep(L, S, alignment, q.device)
     can_die = m4 is not None or causal is not None  # rows with no attendable key are possible
     for b in range(B):
         for h0 in range(0, H, heads):
@@ -288,7 +330,7 @@ def _weights_in_blocks(q, k, v, mask, alignment, scale, average):
                     keep = causal[r0:r1] if keep is None else keep & causal[r0:r1]
                 if keep is not None:
                     w.masked_fill_(~keep, -inf)
-                dead = ~(w.amax(-1, keepdim=True) > -inf) if can_die else None
+                dead = w.amax(-1, keepdim=True) == -inf if can_die else None  # (NaN: not dead)
                 torch.softmax(w, -1, out=w)
                 if dead is not None:
                     w.masked_fill_(dead, 0.0)  # rows with no attendable key: weights 0

@@ -58,7 +58,8 @@ def masked_softmax(
     x = apply_mask(x, mask)
     # A row with no attendable key would be softmax([-inf, ...]) = NaN. Give it finite dummy
     # scores, then zero its weights: the output is 0 and so is the gradient.
-    alive = (x > float("-inf")).any(dim, keepdim=True)
+    # Only masks make a row dead: a NaN (or +inf) score keeps its row alive and NaN.
+    alive = (x != float("-inf")).any(dim, keepdim=True)
     x = x.masked_fill(~alive, 0.0)
     weights = torch.softmax(x, dim).masked_fill(~alive, 0.0)
     return weights.to(scores.dtype)

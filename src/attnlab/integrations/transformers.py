@@ -234,7 +234,7 @@ def _window_mask(window: int, causal: bool, L: int, S: int, device) -> torch.Ten
     keep = masks.sliding_window_mask(
         L, S, window=window, alignment=alignment, causal=causal, device=device
     )
-    return keep.as_subclass(torch.Tensor)
+    return masks.plain(keep)
 
 
 def _add_bias(bias: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -22,7 +22,7 @@ from attnlab import functional as AF
 from attnlab._checks import check_floating, divisors
 from attnlab.cache import Cache, SlidingWindowCache
 from attnlab.functional.rotary import apply_rotary_qk
-from attnlab.masks import restrict, sliding_window_mask
+from attnlab.masks import plain, restrict, sliding_window_mask
 
 
 class MultiHeadAttention(nn.Module):
@@ -190,13 +190,15 @@ class MultiHeadAttention(nn.Module):
             k, v, mask, causal = self._from_cache(cache, k, v, key_padding_mask, causal, past, L)
             key_padding_mask = None  # now part of mask
         elif self.sliding_window is not None:
-            mask = sliding_window_mask(
-                L,
-                k.shape[2],
-                window=self.sliding_window,
-                alignment="bottom_right",
-                device=q.device,
-            ).as_subclass(torch.Tensor)
+            mask = plain(
+                sliding_window_mask(
+                    L,
+                    k.shape[2],
+                    window=self.sliding_window,
+                    alignment="bottom_right",
+                    device=q.device,
+                )
+            )
             causal = False
         mask = _combine(mask, attn_mask, key_padding_mask, B, k.shape[2])
         dropout = self.attn_dropout if self.training else 0.0
