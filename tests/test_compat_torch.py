@@ -570,3 +570,14 @@ def test_bad_inputs_raise_torchs_exception_type_with_a_clear_message(case):
     named = [w for w in ("query", "key", "value", "key_padding_mask", "attn_mask") if w in message]
     assert named, message
     assert "got" in message, message  # says what it received
+
+
+def test_docstring_example_runs():
+    import doctest
+
+    import attnlab.compat
+
+    result = doctest.testmod(
+        attnlab.compat, extraglobs={"torch": torch}, optionflags=doctest.ELLIPSIS
+    )
+    assert result.attempted >= 5 and result.failed == 0

@@ -238,14 +238,9 @@ class MultiheadAttention(nn.Module):
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(q.dtype)
         want = ("average" if average_attn_weights else True) if need_weights else False
+        p = self.dropout if self.training else 0.0
         out = scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            mask,
-            is_causal=causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            return_weights=want,
+            q, k, v, mask, is_causal=causal, dropout_p=p, return_weights=want
         )
         out, weights = out if need_weights else (out, None)
         out = self.out_proj(out.transpose(1, 2).reshape(N, L, D))  # (N, H, L, E) -> (N, L, D)
@@ -337,11 +332,8 @@ class MultiheadAttention(nn.Module):
         # torch: AssertionError with separate projection weights, RuntimeError from the matmul
         # with the packed in_proj_weight
         error = RuntimeShapeError if self._qkv_same_embed_dim else AssertionShapeError
-        for name, what, width, x in (
-            ("key", "kdim", self.kdim, key),
-            ("value", "vdim", self.vdim, value),
-        ):
-            if x.shape[-1] != width:
+        for name, what, x in (("key", "kdim", key), ("value", "vdim", value)):
+            if x.shape[-1] != (width := getattr(self, what)):
                 raise error(
                     f"{name} must have {what}={width} features; got {x.shape[-1]}. Fix: "
                     f"MultiheadAttention(..., {what}={x.shape[-1]}) for inputs of that width."
@@ -387,13 +379,10 @@ def _attnlab_mask(attn_mask, key_padding_mask, N, H, appended):
         pad = (~pad if pad.dtype == torch.bool else pad)[:, None, None, :]  # (N,S)->(N,1,1,S)
         if mask is None:
             mask = pad
-        elif mask.dtype == torch.bool and pad.dtype == torch.bool:
-            mask = mask & pad
-        elif pad.dtype == torch.bool or mask.dtype == torch.bool:
-            mask, pad = (mask, pad) if pad.dtype == torch.bool else (pad, mask)
-            mask = restrict(mask, pad)  # -inf where the bool one forbids
-        else:
+        elif mask.is_floating_point() and pad.is_floating_point():
             mask = mask + pad  # two additive biases add
+        else:  # AND of two bool masks, or -inf in the bias where the bool one forbids
+            mask = restrict(mask, pad) if pad.dtype == torch.bool else restrict(pad, mask)
     if mask is not None and appended:
         fill = mask.new_ones if mask.dtype == torch.bool else mask.new_zeros
         mask = torch.cat([mask, fill(*mask.shape[:-1], appended)], -1)
