@@ -311,3 +311,67 @@ def test_minilm_page_from_the_real_model(context, tmp_path):
         assert "renormalised without special tokens" in page.inner_text("#focus-info")
         screenshot_variance(page, tmp_path / "minilm-no-special.png")
         assert seen.errors == []
+
+
+HOSTILE = [
+    "</script><script>window.__pwned=1</script>",
+    '<img src=x onerror="window.__pwned=1">',
+    "\"';alert(1)//",
+    "{{7*7}}",
+    "${7*7}",
+    "javascript:window.__pwned=1",
+    "<!--",
+    "&lt;b&gt;",
+    "fish",
+]
+
+
+def test_hostile_tokens_run_no_script_and_show_as_literal_text(context, tmp_path):
+    """Tokens, text and model name come from users and tokenizers: the page must show them as
+    text. Any script they smuggle in sets window.__pwned or opens a dialog; an <img> asks the
+    network for its source."""
+    import dataclasses
+
+    trace = stacked_mha_trace(L=len(HOSTILE), tokens=HOSTILE, layers=1)
+    model = '<script>window.__pwned=1</script>"><img src=y onerror=alert(2)>'
+    text = "</title><script>alert(3)</script> {{7*7}}"
+    trace = dataclasses.replace(trace, model=model, text=text)
+    path = write_explorer(trace, tmp_path / "hostile.html")
+    dialogs = []
+
+    def on_dialog(dialog):
+        dialogs.append(dialog.message)
+        dialog.dismiss()
+
+    context.on("dialog", on_dialog)
+    try:
+        with open_page(context, path) as seen:
+            page = seen.page
+            page.hover(f"#headview text.q[data-i='{len(HOSTILE) - 1}']")
+            page.select_option("#head", "0")
+            assert page.evaluate("() => typeof window.__pwned") == "undefined"
+            assert dialogs == []
+            assert seen.errors == []
+            assert seen.requests == [path.resolve().as_uri()]  # no <img src=...> was fetched
+            assert page.evaluate("() => document.querySelectorAll('img, iframe').length") == 0
+            assert page.evaluate("() => document.scripts.length") == 2  # data and code only
+            # displayed literally: the head view's labels (cut at 16 characters), the full
+            # token in the focus line when hovered, the model and text in the title and header
+            label = [t if len(t) <= 16 else t[:15] + "…" for t in HOSTILE]
+            for side in ("q", "k"):
+                shown = page.eval_on_selector_all(
+                    f"#headview text.{side}", "es => es.map(e => e.textContent)"
+                )
+                assert shown == label
+            for i, token in enumerate(HOSTILE):
+                page.hover(f"#headview text.q[data-i='{i}']")
+                focus = page.text_content("#focus-info")
+                assert focus.startswith(f"focus: “{token}” (what it attends to"), focus
+            assert page.title() == f"attnlab · {model} · {text}"
+            assert page.text_content("h1") == f"attnlab · {model} · {text}"
+            info = page.text_content("#info")
+            assert info.startswith(model + " · ") and info.endswith(f"“{text}”")
+            assert page.evaluate("() => typeof window.__pwned") == "undefined"
+            assert dialogs == [] and seen.errors == []
+    finally:
+        context.remove_listener("dialog", on_dialog)
