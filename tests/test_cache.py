@@ -15,7 +15,13 @@ def make_layer(kind, heads, kv_heads, rope, seed=0):
     torch.manual_seed(seed)
     window = WINDOW if kind == "sliding" else None
     return MultiHeadAttention(
-        32, heads, kv_heads, is_causal=True, rope=rope, sliding_window=window, layer_idx=0
+        32,
+        heads,
+        num_kv_heads=kv_heads,
+        is_causal=True,
+        rope=rope,
+        sliding_window=window,
+        layer_idx=0,
     ).eval()
 
 
@@ -68,7 +74,7 @@ def test_padded_prompts_of_different_lengths(kind):
     positions = (real.cumsum(1) - 1).clamp_min(0)  # each row counts from its first real token
     with torch.no_grad():
         cache = make_cache(kind)
-        out = [layer(prompt, cache=cache, key_padding_mask=real, position_ids=positions)]
+        out = [layer(prompt, cache=cache, key_mask=real, position_ids=positions)]
         for t in range(steps):
             step = torch.stack([seqs[b][0, n + t] for b, n in enumerate(lengths)])[:, None]
             pos = torch.tensor([[n + t] for n in lengths])
@@ -129,8 +135,8 @@ def test_cache_misuse_errors():
         cache.update(k, k, -1)
     with pytest.raises(TypeError, match="caches torch.float32; got key torch.float64"):
         cache.update(k.double(), k.double(), 0)
-    with pytest.raises(ValueError, match=r"key_padding_mask must be a \(B, L\)"):
-        cache.update(k, k, 1, key_padding_mask=torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"key_mask must be a \(B, L\)"):
+        cache.update(k, k, 1, key_mask=torch.ones(2, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="has nothing cached yet"):
         DynamicCache().key_positions(0)
     static = StaticCache(4)
@@ -154,4 +160,4 @@ def test_layer_cache_misuse_errors():
         full(x, cache=SlidingWindowCache(4))
     cross = MultiHeadAttention(32, 4, layer_idx=0)
     with pytest.raises(ValueError, match="self-attention only.*project_kv"):
-        cross(x, torch.randn(1, 5, 32), cache=DynamicCache())
+        cross(x, key=torch.randn(1, 5, 32), cache=DynamicCache())

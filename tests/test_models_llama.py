@@ -28,7 +28,7 @@ def check_logits(hf_model, ours, ids, mask):
     eager = hf_logits(hf_model, ids, mask, "eager")
     sdpa = hf_logits(hf_model, ids, mask, "sdpa")
     with torch.no_grad():
-        got = ours(ids, key_padding_mask=mask.bool())
+        got = ours(ids, key_mask=mask.bool())
     real = mask.bool()
     control = (sdpa - eager)[real].abs().max()
     err = (got - eager)[real].abs().max()
@@ -74,7 +74,7 @@ def test_tiny_llama_logits_and_generation():
         input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0
     )
     for kind in ("dynamic", "static"):
-        got = ours.generate(ids, 10, cache=kind, key_padding_mask=mask.bool())
+        got = ours.generate(ids, 10, cache=kind, key_mask=mask.bool())
         assert torch.equal(got, want), kind
 
 
@@ -117,7 +117,7 @@ def test_smollm2_real_weights(smollm2):
     want = hf_model.generate(**batch, max_new_tokens=12, do_sample=False)
     for kind in ("dynamic", "static"):
         got = ours.generate(
-            batch["input_ids"], 12, cache=kind, key_padding_mask=batch["attention_mask"].bool()
+            batch["input_ids"], 12, cache=kind, key_mask=batch["attention_mask"].bool()
         )
         assert torch.equal(got, want), kind
     assert "Paris" in tok.decode(want[0, -12:])

@@ -57,34 +57,36 @@ def randn(*shape, seed=0):
 @pytest.mark.parametrize("causal", [False, True])
 def test_self_attention_layer_matches_oracle(heads, kv_heads, rope, causal):
     torch.manual_seed(0)
-    layer = MultiHeadAttention(24, heads, kv_heads, is_causal=causal, rope=rope).double()
+    layer = MultiHeadAttention(
+        24, heads, num_kv_heads=kv_heads, is_causal=causal, rope=rope
+    ).double()
     x = randn(2, 7, 24)
     pad = masks.padding_mask([7, 4], 7)  # (B, 1, 1, S)
-    out, w = layer(x, key_padding_mask=pad[:, 0, 0], return_weights=True)
+    out, w = layer(x, key_mask=pad[:, 0, 0], return_weights=True)
     want, want_w = mha_oracle(layer, x, mask=pad, is_causal=causal)
     assert_close_to_oracle(out, want)
     assert_close_to_oracle(w, want_w)
-    avg = layer(x, key_padding_mask=pad[:, 0, 0], return_weights=True, average_weights=True)[1]
+    avg = layer(x, key_mask=pad[:, 0, 0], return_weights=True, average_weights=True)[1]
     assert_close_to_oracle(avg, want_w.mean(1))
 
 
 def test_cross_attention_with_other_widths_and_precomputed_kv():
     torch.manual_seed(1)
-    layer = MultiHeadAttention(16, 4, 2, head_dim=6, kdim=10, vdim=12).double()
+    layer = MultiHeadAttention(16, 4, num_kv_heads=2, head_dim=6, kdim=10, vdim=12).double()
     x, src, val = randn(2, 5, 16), randn(2, 8, 10, seed=1), randn(2, 8, 12, seed=2)
     attn_mask = torch.rand(5, 8, generator=torch.Generator().manual_seed(3)) > 0.3
-    out = layer(x, src, val, attn_mask=attn_mask)
+    out = layer(x, key=src, value=val, mask=attn_mask)
     want, _ = mha_oracle(layer, x, src, val, mask=attn_mask)
     assert_close_to_oracle(out, want)
     kv = layer.project_kv(src, val)
     assert kv[0].shape == (2, 2, 8, 6)
-    torch.testing.assert_close(layer(x, kv=kv, attn_mask=attn_mask), out, rtol=0, atol=1e-14)
+    torch.testing.assert_close(layer(x, kv=kv, mask=attn_mask), out, rtol=0, atol=1e-14)
 
 
 def test_gqa_layer_equals_mha_with_repeated_kv_weights():
     torch.manual_seed(2)
-    gqa = MultiHeadAttention(32, 8, 2).double()
-    mha = MultiHeadAttention(32, 8, 8).double()
+    gqa = MultiHeadAttention(32, 8, num_kv_heads=2).double()
+    mha = MultiHeadAttention(32, 8, num_kv_heads=8).double()
     with torch.no_grad():
         mha.q_proj.load_state_dict(gqa.q_proj.state_dict())
         mha.o_proj.load_state_dict(gqa.o_proj.state_dict())
@@ -130,7 +132,14 @@ def test_from_torch_matches_torch(batch_first, cross, bias):
     kdim = vdim = 10 if cross else None
     ref = nn.MultiheadAttention(16, 4, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first)
     ref.eval()
-    ours = MultiHeadAttention.from_torch(ref)
+    if not batch_first:
+        with pytest.raises(ValueError, match="batch_first=False"):
+            MultiHeadAttention.from_torch(ref)  # (L, B, D) inputs would be misread
+        ref.batch_first = True  # the fix the message names; inputs below stay (L, B, D) for ref
+        ours = MultiHeadAttention.from_torch(ref)
+        ref.batch_first = False
+    else:
+        ours = MultiHeadAttention.from_torch(ref)
     B, L, S = 3, 5, 7 if cross else 5
     x = torch.randn(B, L, 16)
     src = torch.randn(B, S, kdim or 16)
@@ -155,10 +164,10 @@ def test_from_torch_matches_torch(batch_first, cross, bias):
         )
         got, got_w = ours(
             x,
-            src if cross else None,
-            val if cross else None,
-            key_padding_mask=masks.from_torch_mask(torch_kpm),
-            attn_mask=masks.from_torch_mask(torch_mask),
+            key=src if cross else None,
+            value=val if cross else None,
+            key_mask=masks.from_torch_mask(torch_kpm),
+            mask=masks.from_torch_mask(torch_mask),
             return_weights=True,
             average_weights=avg,
         )
@@ -167,7 +176,7 @@ def test_from_torch_matches_torch(batch_first, cross, bias):
     # a float (additive) attn_mask means the same in both
     bias_mask = torch.randn(L, S)
     want = ref(t(x), t(src if cross else x), t(val if cross else x), attn_mask=bias_mask)[0]
-    got = ours(x, src if cross else None, val if cross else None, attn_mask=bias_mask)
+    got = ours(x, key=src if cross else None, value=val if cross else None, mask=bias_mask)
     torch.testing.assert_close(got, t(want), rtol=0, atol=1e-6)
 
 
@@ -180,7 +189,7 @@ def test_from_torch_fully_masked_rows_are_zero_not_nan():
     torch_mask[1] = True  # row 1 may attend nothing
     want = ref(x, x, x, attn_mask=torch_mask, need_weights=True)[0]
     assert torch.isnan(want[:, 1]).all()  # torch's NaN
-    got, w = ours(x, attn_mask=masks.from_torch_mask(torch_mask), return_weights=True)
+    got, w = ours(x, mask=masks.from_torch_mask(torch_mask), return_weights=True)
     assert torch.all(w[:, :, 1] == 0)
     torch.testing.assert_close(got[:, 1], ours.o_proj.bias.expand(2, 8))  # attention out 0
     torch.testing.assert_close(got[:, [0, 2]], want[:, [0, 2]], rtol=0, atol=1e-6)
@@ -188,7 +197,9 @@ def test_from_torch_fully_masked_rows_are_zero_not_nan():
 
 def test_from_torch_rejects_unsupported():
     with pytest.raises(ValueError, match="add_bias_kv"):
-        MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, add_bias_kv=True))
+        MultiHeadAttention.from_torch(
+            nn.MultiheadAttention(8, 2, add_bias_kv=True, batch_first=True)
+        )
     with pytest.raises(TypeError, match="nn.MultiheadAttention"):
         MultiHeadAttention.from_torch(nn.Linear(2, 2))
 
@@ -201,7 +212,7 @@ def test_additive_layer_and_precomputed_keys():
     layer = AdditiveAttention(6, 8, 5).double()
     q, k, v = randn(2, 3, 6), randn(2, 4, 8, seed=1), randn(2, 4, 3, seed=2)
     kpm = torch.tensor([[True, True, True, False], [True, True, True, True]])
-    out, w = layer(q, k, v, key_padding_mask=kpm, return_weights=True)
+    out, w = layer(q, k, v, key_mask=kpm, return_weights=True)
     want = R.additive_attention(
         np64(q),
         np64(k),
@@ -215,7 +226,7 @@ def test_additive_layer_and_precomputed_keys():
     )
     assert_close_to_oracle(out, want[0])
     assert_close_to_oracle(w, want[1])
-    again = layer(q, k, v, keys_proj=layer.project_keys(k), key_padding_mask=kpm)
+    again = layer(q, k, v, keys_proj=layer.project_keys(k), key_mask=kpm)
     torch.testing.assert_close(again, out, rtol=0, atol=1e-14)
 
 
@@ -292,11 +303,11 @@ def test_input_errors():
     with pytest.raises(ValueError, match=r"query must be \(B, L, 16\).*transpose"):
         layer(torch.randn(5, 16))
     with pytest.raises(ValueError, match=r"key must be \(B, L, 16\)"):
-        layer(torch.randn(2, 5, 16), torch.randn(2, 5, 12))
-    with pytest.raises(ValueError, match="key_padding_mask must be a .* True = real token"):
-        layer(torch.randn(2, 5, 16), key_padding_mask=torch.ones(2, 5))
+        layer(torch.randn(2, 5, 16), key=torch.randn(2, 5, 12))
+    with pytest.raises(ValueError, match="key_mask must be a .* True = real token"):
+        layer(torch.randn(2, 5, 16), key_mask=torch.ones(2, 5))
     with pytest.raises(TypeError, match="attn_mask must be bool"):
-        layer(torch.randn(2, 5, 16), attn_mask=torch.ones(5, 5, dtype=torch.int64))
+        layer(torch.randn(2, 5, 16), mask=torch.ones(5, 5, dtype=torch.int64))
     with pytest.raises(ValueError, match='score="dot" needs query_dim == key_dim'):
         LuongAttention(4, 6, score="dot")
     with pytest.raises(ValueError, match=r"keys_proj must be \(B, n, 5\)"):

@@ -17,7 +17,7 @@ stores the new keys/values of one layer and returns all of them. Three kinds:
   layers with sliding-window attention (memory O(window) however long the text).
 
 A cache also records where each slot sits in the sequence (:meth:`Cache.key_positions`) and
-which cached keys are padding (:meth:`Cache.key_padding_mask`), so the layer builds an exact mask
+which cached keys are padding (:meth:`Cache.key_mask`), so the layer builds an exact mask
 for any kind. Multi-query and grouped-query layers cache only their Hkv heads: the memory saving
 of MQA/GQA is exactly here.
 
@@ -97,7 +97,7 @@ class Cache:
         value: torch.Tensor,
         layer_idx: int,
         *,
-        key_padding_mask: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new keys/values of layer ``layer_idx``; return everything attention needs.
 
@@ -105,19 +105,19 @@ class Cache:
             key: (B, Hkv, L, E) keys of the L new tokens.
             value: (B, Hkv, L, Ev) their values.
             layer_idx: which layer these belong to (each layer has its own storage).
-            key_padding_mask: optional (B, L) bool, True = real token, False = padding (left-
+            key_mask: optional (B, L) bool, True = real token, False = padding (left-
                 padded prompts of different lengths). Remembered for later steps.
 
         Returns:
             (keys, values): (B, Hkv, S, E) and (B, Hkv, S, Ev). :meth:`key_positions` and
-            :meth:`key_padding_mask` describe their S slots.
+            :meth:`key_mask` describe their S slots.
         """
-        self._check(key, value, layer_idx, key_padding_mask)
+        self._check(key, value, layer_idx, key_mask)
         layer = self._layers.get(layer_idx)
         if layer is None:
             layer = self._layers[layer_idx] = _Layer(key, value, self._initial_capacity(key))
         start = layer.length
-        layer.view = self._store(layer, key, value, key_padding_mask, start)
+        layer.view = self._store(layer, key, value, key_mask, start)
         layer.length += key.shape[2]
         return layer.view[0], layer.view[1]
 
@@ -130,7 +130,7 @@ class Cache:
         """(S,) position in the sequence of each slot returned by the last update; -1 = empty."""
         return self._layer(layer_idx).view[2]
 
-    def key_padding_mask(self, layer_idx: int) -> torch.Tensor | None:
+    def key_mask(self, layer_idx: int) -> torch.Tensor | None:
         """(B, S) bool, True = real token, for the last update's slots; None if no padding."""
         layer = self._layer(layer_idx)
         return layer.view[3] if layer.padded else None
@@ -199,7 +199,7 @@ class Cache:
             padding.dtype != torch.bool or padding.shape != (key.shape[0], key.shape[2])
         ):
             raise ValueError(
-                f"key_padding_mask must be a (B, L) = {(key.shape[0], key.shape[2])} bool tensor "
+                f"key_mask must be a (B, L) = {(key.shape[0], key.shape[2])} bool tensor "
                 f"(True = real token) for the new tokens; got {tuple(padding.shape)} "
                 f"{padding.dtype}."
             )

@@ -165,7 +165,7 @@ def cache_decoding() -> tuple[dict, str]:
     result = {}
     for kind, window in (("dynamic", None), ("static", None), ("sliding-window", 4)):
         layer = MultiHeadAttention(
-            64, 8, 2, is_causal=True, rope=True, sliding_window=window, layer_idx=0
+            64, 8, num_kv_heads=2, is_causal=True, rope=True, sliding_window=window, layer_idx=0
         ).eval()
         cache = {"dynamic": DynamicCache(), "static": StaticCache(16)}.get(kind)
         cache = cache or SlidingWindowCache(4)

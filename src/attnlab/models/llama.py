@@ -78,8 +78,8 @@ class Block(nn.Module):
         self.attn = MultiHeadAttention(
             cfg.d_model,
             cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
             bias=False,
             is_causal=True,
             rope=cfg.rope_base,
@@ -91,11 +91,11 @@ class Block(nn.Module):
         self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
-    def forward(self, x, *, cache, key_padding_mask, position_ids, return_weights):
+    def forward(self, x, *, cache, key_mask, position_ids, return_weights):
         attn = self.attn(
             self.attn_norm(x),
             cache=cache,
-            key_padding_mask=key_padding_mask,
+            key_mask=key_mask,
             position_ids=position_ids,
             return_weights=return_weights,
         )
@@ -132,18 +132,18 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         *,
         cache: Cache | None = None,
-        key_padding_mask: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         return_weights: bool = False,
     ):
         """(B, L) token ids -> (B, L, vocab) logits [, per-layer weights (B, H, L, S)].
 
-        ``key_padding_mask`` (B, L), True = real token (left padding for batched prompts);
+        ``key_mask`` (B, L), True = real token (left padding for batched prompts);
         with padding, positions count from each row's first real token.
         """
-        if key_padding_mask is not None and position_ids is None:
+        if key_mask is not None and position_ids is None:
             past = 0 if cache is None else cache.get_seq_length(0)
-            position_ids = key_padding_mask.long().cumsum(1) - 1 + past
+            position_ids = key_mask.long().cumsum(1) - 1 + past
             if cache is not None and past:  # continue each row from its own count
                 raise ValueError("pass position_ids when padding a continuation")
             position_ids = position_ids.clamp_min(0)
@@ -153,7 +153,7 @@ class LlamaModel(nn.Module):
             x, w = block(
                 x,
                 cache=cache,
-                key_padding_mask=key_padding_mask,
+                key_mask=key_mask,
                 position_ids=position_ids,
                 return_weights=return_weights,
             )
@@ -182,18 +182,18 @@ class LlamaModel(nn.Module):
         max_new_tokens: int,
         *,
         cache: str | Cache = "dynamic",
-        key_padding_mask: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
         eos_token_id: int | None = None,
     ) -> torch.Tensor:
         """Greedy decoding with a KV cache: (B, P) prompt -> (B, P + new) tokens."""
         B, P = input_ids.shape
         if isinstance(cache, str):
             cache = self.make_cache(cache, P + max_new_tokens)
-        logits = self(input_ids, cache=cache, key_padding_mask=key_padding_mask)
-        if key_padding_mask is None:
+        logits = self(input_ids, cache=cache, key_mask=key_mask)
+        if key_mask is None:
             next_pos = torch.full((B, 1), P, dtype=torch.long, device=input_ids.device)
         else:
-            next_pos = key_padding_mask.long().sum(1, keepdim=True)
+            next_pos = key_mask.long().sum(1, keepdim=True)
         tokens = [input_ids]
         done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         for _ in range(max_new_tokens):

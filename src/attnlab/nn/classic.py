@@ -2,7 +2,9 @@
 
 Each is a few parameters around one call into :mod:`attnlab.functional`. Shapes: queries
 (B, L, Dq) -- for a decoder step L = 1 --, keys (B, S, Dk), values (B, S, Dv); weights (B, L, S).
-Padding enters as ``key_padding_mask`` (B, S), True = real token.
+Padding enters as ``key_mask`` (B, S), True = real token; other masks as ``mask`` (bool True =
+may attend, or an additive float bias). torch's names (``key_padding_mask``, ``attn_mask``,
+which mean the opposite in ``nn.MultiheadAttention``) are refused with the attnlab spelling.
 """
 
 from __future__ import annotations
@@ -12,18 +14,19 @@ from torch import nn
 
 from attnlab import functional as AF
 from attnlab.masks import restrict
+from attnlab.nn._names import FORWARD, refuse
 
 
-def _mask(attn_mask, key_padding_mask, B, S):
-    """attn_mask (L, S)/(B, L, S) and key padding (B, S) -> one mask broadcasting to (B, L, S)."""
-    if key_padding_mask is None:
-        return attn_mask
-    if key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (B, S):
+def _mask(mask, key_mask, B, S):
+    """mask (L, S)/(B, L, S) and key padding (B, S) -> one mask broadcasting to (B, L, S)."""
+    if key_mask is None:
+        return mask
+    if key_mask.dtype != torch.bool or key_mask.shape != (B, S):
         raise ValueError(
-            f"key_padding_mask must be a (B, S) = {(B, S)} bool tensor, True = real token; got "
-            f"{tuple(key_padding_mask.shape)} {key_padding_mask.dtype}."
+            f"key_mask must be a (B, S) = {(B, S)} bool tensor, True = real token; got "
+            f"{tuple(key_mask.shape)} {key_mask.dtype}."
         )
-    return restrict(attn_mask, key_padding_mask[:, None, :])  # (B, S) -> (B, 1, S)
+    return restrict(mask, key_mask[:, None, :])  # (B, S) -> (B, 1, S)
 
 
 def _check_3d(name: str, x: torch.Tensor, width: int | None = None) -> None:
@@ -86,11 +89,13 @@ class AdditiveAttention(nn.Module):
         value: torch.Tensor | None = None,
         *,
         keys_proj: torch.Tensor | None = None,
-        attn_mask: torch.Tensor | None = None,
-        key_padding_mask: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
         return_weights: bool = False,
+        **torch_names,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """(B, L, Dq), (B, S, Dk), (B, S, Dv) -> (B, L, Dv) [, weights (B, L, S)]."""
+        refuse(f"{type(self).__name__}.forward", torch_names, FORWARD)
         _check_3d("query", query, self.q_proj.in_features)
         _check_3d("key", key)
         value = key if value is None else value
@@ -99,7 +104,7 @@ class AdditiveAttention(nn.Module):
         else:
             _check_3d("keys_proj", keys_proj, self.k_proj.out_features)
             k, w_key = keys_proj, None  # already W_k k
-        mask = _mask(attn_mask, key_padding_mask, key.shape[0], key.shape[1])
+        mask = _mask(mask, key_mask, key.shape[0], key.shape[1])
         return AF.additive_attention(
             query,
             k,
@@ -179,16 +184,18 @@ class LuongAttention(nn.Module):
         value: torch.Tensor | None = None,
         *,
         keys_proj: torch.Tensor | None = None,
-        attn_mask: torch.Tensor | None = None,
-        key_padding_mask: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
         return_weights: bool = False,
+        **torch_names,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """(B, L, Dq), (B, S, Dk), (B, S, Dv) -> (B, L, Dv) [, weights (B, L, S)]."""
+        refuse(f"{type(self).__name__}.forward", torch_names, FORWARD)
         _check_3d("query", query, self.query_dim)
         _check_3d("key", key, self.key_dim)
         value = key if value is None else value
         k = self.project_keys(key) if keys_proj is None else keys_proj
-        mask = _mask(attn_mask, key_padding_mask, key.shape[0], key.shape[1])
+        mask = _mask(mask, key_mask, key.shape[0], key.shape[1])
         dropout = self.dropout if self.training else 0.0
         if self.score_name == "concat":
             return AF.additive_attention(
@@ -226,16 +233,17 @@ class DotProductAttention(nn.Module):
         key: torch.Tensor,
         value: torch.Tensor,
         *,
-        attn_mask: torch.Tensor | None = None,
-        key_padding_mask: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
         is_causal: bool | str = False,
         return_weights: bool = False,
+        **torch_names,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """(B, L, E), (B, S, E), (B, S, Ev) -> (B, L, Ev) [, weights (B, L, S)]."""
-        mask = attn_mask
-        if key_padding_mask is not None:
+        refuse(f"{type(self).__name__}.forward", torch_names, FORWARD)
+        if key_mask is not None:
             _check_3d("key", key)
-            mask = _mask(attn_mask, key_padding_mask, key.shape[0], key.shape[1])
+            mask = _mask(mask, key_mask, key.shape[0], key.shape[1])
         return AF.scaled_dot_product_attention(
             query,
             key,
@@ -266,16 +274,17 @@ class SelfAttention(nn.Module):
         self,
         x: torch.Tensor,
         *,
-        attn_mask: torch.Tensor | None = None,
-        key_padding_mask: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
         is_causal: bool = False,
         return_weights: bool = False,
+        **torch_names,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """(B, L, d_in) or (L, d_in) -> (B, L, d_v) [, weights (B, L, L)]."""
+        refuse(f"{type(self).__name__}.forward", torch_names, FORWARD)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        mask = attn_mask
-        if key_padding_mask is not None:
-            mask = _mask(attn_mask, key_padding_mask, x.shape[0], x.shape[1])
+        if key_mask is not None:
+            mask = _mask(mask, key_mask, x.shape[0], x.shape[1])
         return AF.scaled_dot_product_attention(
             q, k, v, mask, is_causal=is_causal, return_weights=return_weights
         )

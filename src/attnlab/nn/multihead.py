@@ -23,6 +23,7 @@ from attnlab._checks import check_floating, divisors
 from attnlab.cache import Cache, SlidingWindowCache
 from attnlab.functional.rotary import apply_rotary_qk
 from attnlab.masks import plain, restrict, sliding_window_mask
+from attnlab.nn._names import COMPAT, FORWARD, INIT, refuse
 
 
 class MultiHeadAttention(nn.Module):
@@ -62,9 +63,9 @@ class MultiHeadAttention(nn.Module):
         self,
         d_model: int,
         num_heads: int,
+        *positional,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
-        *,
         kdim: int | None = None,
         vdim: int | None = None,
         bias: bool = True,
@@ -76,7 +77,16 @@ class MultiHeadAttention(nn.Module):
         layer_idx: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        **torch_names,
     ) -> None:
+        if positional:
+            raise TypeError(
+                f"MultiHeadAttention takes d_model and num_heads positionally and everything else "
+                f"by keyword; got {len(positional)} more positional argument(s) {positional!r}. "
+                f"Fix: name them, e.g. num_kv_heads=2 or attn_dropout=0.1 (torch's third "
+                f"positional argument is dropout), or use {COMPAT}."
+            )
+        refuse("MultiHeadAttention", torch_names, INIT)
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         _check_config(d_model, num_heads, num_kv_heads, head_dim, attn_dropout, out_dropout)
@@ -127,17 +137,18 @@ class MultiHeadAttention(nn.Module):
     def forward(
         self,
         query: torch.Tensor,
+        *positional,
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
-        *,
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attn_mask: torch.Tensor | None = None,
-        key_padding_mask: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
         is_causal: bool | str | None = None,
         cache: Cache | None = None,
         position_ids: torch.Tensor | None = None,
         return_weights: bool = False,
         average_weights: bool = False,
+        **torch_names,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``query`` to ``key``/``value`` (or to ``query`` itself).
 
@@ -146,9 +157,9 @@ class MultiHeadAttention(nn.Module):
             key: (B, S, kdim) for cross-attention; None for self-attention.
             value: (B, S, vdim); defaults to ``key``.
             kv: precomputed ``project_kv(key, value)`` for cross-attention (instead of key).
-            attn_mask: bool (True = may attend) or additive float, broadcastable to
+            mask: bool (True = may attend) or additive float, broadcastable to
                 (B, H, L, S).
-            key_padding_mask: (B, S) bool, True = real token. With a ``cache``: (B, L) for the
+            key_mask: (B, S) bool, True = real token. With a ``cache``: (B, L) for the
                 new tokens only; the cache remembers it.
             is_causal: overrides the layer's default. With a cache, causality is always
                 bottom-right: the new tokens come after the cached ones.
@@ -161,6 +172,21 @@ class MultiHeadAttention(nn.Module):
         Returns:
             (B, L, D), and the weights if ``return_weights``.
         """
+        if positional:
+            raise TypeError(
+                f"MultiHeadAttention.forward takes key= and value= by keyword (got "
+                f"{len(positional)} more positional tensor(s)), and returns the output alone "
+                f"unless return_weights=True: torch's `out, w = mha(q, k, v)` would split the "
+                f"batch. Fix: layer(query, key=key, value=value), or use {COMPAT}."
+            )
+        refuse("MultiHeadAttention.forward", torch_names, FORWARD)
+        if cache is not None and not isinstance(cache, Cache):
+            raise TypeError(
+                f"cache must be an attnlab.cache cache (DynamicCache, StaticCache, "
+                f"SlidingWindowCache); got {type(cache).__module__}.{type(cache).__name__}. Fix: "
+                f"build one with attnlab.cache.DynamicCache() (Hugging Face caches belong to "
+                f"Hugging Face models; attnlab.integrations.transformers runs those)."
+            )
         _check_width("query", query, self.d_model)
         B, L, _ = query.shape
         q = self.q_proj(query).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
@@ -185,12 +211,12 @@ class MultiHeadAttention(nn.Module):
             if position_ids is None:
                 position_ids = torch.arange(past, past + L, device=query.device)
             q, k = apply_rotary_qk(q, k, position_ids, self.rope_base)  # angles computed once
-        mask = None
+        allowed = None  # what the cache or the window allows
         if cache is not None:
-            k, v, mask, causal = self._from_cache(cache, k, v, key_padding_mask, causal, past, L)
-            key_padding_mask = None  # now part of mask
+            k, v, allowed, causal = self._from_cache(cache, k, v, key_mask, causal, past, L)
+            key_mask = None  # now part of allowed
         elif self.sliding_window is not None:
-            mask = plain(
+            allowed = plain(
                 sliding_window_mask(
                     L,
                     k.shape[2],
@@ -200,7 +226,7 @@ class MultiHeadAttention(nn.Module):
                 )
             )
             causal = False
-        mask = _combine(mask, attn_mask, key_padding_mask, B, k.shape[2])
+        mask = _combine(allowed, plain(mask), key_mask, B, k.shape[2])
         dropout = self.attn_dropout if self.training else 0.0
         want = ("average" if average_weights else True) if return_weights else False
         out = AF.scaled_dot_product_attention(
@@ -211,7 +237,7 @@ class MultiHeadAttention(nn.Module):
         out = self.out_dropout(self.o_proj(out))  # (B, H, L, E) -> (B, L, H*E) -> (B, L, D)
         return (out, weights) if return_weights else out
 
-    def _from_cache(self, cache, k, v, key_padding_mask, causal, past, L):
+    def _from_cache(self, cache, k, v, key_mask, causal, past, L):
         """Store the new keys/values; return all keys, values, the mask and the alignment."""
         if isinstance(cache, SlidingWindowCache) and (
             self.sliding_window is None or self.sliding_window > cache.window
@@ -221,8 +247,8 @@ class MultiHeadAttention(nn.Module):
                 f"attends to (sliding_window={self.sliding_window}). Fix: "
                 f"MultiHeadAttention(..., sliding_window=w) with w <= {cache.window}."
             )
-        keys, values = cache.update(k, v, self.layer_idx, key_padding_mask=key_padding_mask)
-        padding = cache.key_padding_mask(self.layer_idx)
+        keys, values = cache.update(k, v, self.layer_idx, key_mask=key_mask)
+        padding = cache.key_mask(self.layer_idx)
         mask = None if padding is None else padding[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
         if cache.in_order and self.sliding_window is None:
             # slots 0..S-1 in order: the new queries are the last L -> bottom-right alignment
@@ -239,23 +265,36 @@ class MultiHeadAttention(nn.Module):
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
-        """An attnlab layer with the weights of a ``torch.nn.MultiheadAttention``.
+        """An attnlab layer with the weights of a batch-first ``torch.nn.MultiheadAttention``.
 
-        The result computes the same function. Two conventions differ at the boundary: attnlab
-        layers take ``(B, L, D)`` inputs (torch's module is ``(L, B, D)`` unless
-        ``batch_first``), and attnlab masks mean **True = may attend** where torch's bool
-        ``attn_mask`` and ``key_padding_mask`` mean True = *not* allowed: convert them with
-        :func:`attnlab.masks.from_torch_mask` (float masks are additive in both).
+        The result computes the same function with attnlab's conventions: ``(B, L, D)`` inputs,
+        ``mask`` bool True = may attend and ``key_mask`` True = real token, where torch's bool
+        ``attn_mask`` and ``key_padding_mask`` mean True = *not* allowed (convert them with
+        :func:`attnlab.masks.from_torch_mask`; float masks are additive in both). To keep
+        torch's interface and meanings instead, load the module's ``state_dict()`` into
+        :class:`attnlab.compat.MultiheadAttention`.
 
         Raises:
-            ValueError: ``add_bias_kv`` or ``add_zero_attn``, which attnlab does not support.
+            TypeError: ``module`` is not a ``torch.nn.MultiheadAttention``.
+            ValueError: ``batch_first=False`` (its inputs are (L, B, D); attnlab layers read
+                (B, L, D)), ``add_bias_kv`` or ``add_zero_attn`` (no equivalent here).
         """
         if not isinstance(module, nn.MultiheadAttention):
             raise TypeError(f"from_torch expects torch.nn.MultiheadAttention; got {type(module)}.")
+        if not module.batch_first:
+            raise ValueError(
+                "from_torch: the module has batch_first=False, so the code around it feeds "
+                "(L, B, D) tensors, while attnlab layers read (B, L, D): the same tensors would "
+                "be silently misread. Fix: attnlab.compat.MultiheadAttention(...) with "
+                "load_state_dict(module.state_dict()) keeps torch's layout; or, if you will "
+                "feed (B, L, D) inputs, set module.batch_first = True first (the weights do not "
+                "depend on the layout)."
+            )
         if module.bias_k is not None or module.add_zero_attn:
             raise ValueError(
-                "from_torch: add_bias_kv and add_zero_attn have no attnlab equivalent; build "
-                "the torch module without them."
+                "from_torch: add_bias_kv and add_zero_attn have no equivalent in attnlab's "
+                "layer. Fix: attnlab.compat.MultiheadAttention supports both (load the "
+                "module's state_dict into it)."
             )
         D, H = module.embed_dim, module.num_heads
         w = module.in_proj_weight
@@ -293,18 +332,18 @@ class MultiHeadAttention(nn.Module):
         return layer
 
 
-def _combine(mask, attn_mask, key_padding_mask, B, S):
-    """AND (or add) the structural mask, the user's attn_mask and the key padding mask."""
-    if key_padding_mask is not None:
-        if key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (B, S):
+def _combine(allowed, mask, key_mask, B, S):
+    """AND (or add) the structural mask, the user's mask and the key padding mask."""
+    if key_mask is not None:
+        if key_mask.dtype != torch.bool or key_mask.shape != (B, S):
             raise ValueError(
-                f"key_padding_mask must be a (B, S) = {(B, S)} bool tensor, True = real token; "
-                f"got {tuple(key_padding_mask.shape)} {key_padding_mask.dtype}. (A mask from "
+                f"key_mask must be a (B, S) = {(B, S)} bool tensor, True = real token; "
+                f"got {tuple(key_mask.shape)} {key_mask.dtype}. (A mask from "
                 f"torch.nn.MultiheadAttention means the opposite: convert it with "
                 f"attnlab.masks.from_torch_mask.)"
             )
-        mask = restrict(mask, key_padding_mask[:, None, None, :])  # (B, S) -> (B, 1, 1, S)
-    return restrict(attn_mask, mask)
+        allowed = restrict(allowed, key_mask[:, None, None, :])  # (B, S) -> (B, 1, 1, S)
+    return restrict(mask, allowed)
 
 
 def _check_width(name: str, x: torch.Tensor, width: int) -> None:

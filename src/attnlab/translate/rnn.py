@@ -62,11 +62,11 @@ class HardAttention(nn.Module):
         super().__init__()
         self.q_proj = nn.Linear(query_dim, key_dim, bias=False)
 
-    def forward(self, query, key, value=None, *, key_padding_mask=None, return_weights=False):
+    def forward(self, query, key, value=None, *, key_mask=None, return_weights=False):
         from attnlab.functional import hard_attention
 
         value = key if value is None else value
-        mask = None if key_padding_mask is None else key_padding_mask[:, None, :]  # (B, 1, S)
+        mask = None if key_mask is None else key_mask[:, None, :]  # (B, 1, S)
         return hard_attention(
             self.q_proj(query), key, value, mask, mode="argmax", return_weights=return_weights
         )
@@ -179,7 +179,7 @@ class RNNSeq2Seq(nn.Module):
     def _attend(self, memory: dict, query: torch.Tensor, return_weights: bool):
         """query (B, L, D) -> context (B, L, D) and weights (B, L, S) or None."""
         kind = self.attention_type
-        kw = {"key_padding_mask": memory["mask"], "return_weights": return_weights}
+        kw = {"key_mask": memory["mask"], "return_weights": return_weights}
         if kind == "multihead":
             r = self.attn(query, kv=(memory["k"], memory["v"]), average_weights=True, **kw)
         elif "keys" in memory:  # Bahdanau, Luong: keys projected once per sentence

@@ -59,7 +59,7 @@ class EncoderLayer(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x, mask):
-        x = x + self.drop(self.self_attn(self.norm1(x), key_padding_mask=mask))
+        x = x + self.drop(self.self_attn(self.norm1(x), key_mask=mask))
         return x + self.drop(self.ff(self.norm2(x)))
 
 
@@ -79,9 +79,7 @@ class DecoderLayer(nn.Module):
     def forward(self, y, kv, mask, *, cache=None, return_weights=False):
         """y (B, T, D); kv: this layer's projected memory; mask (B, S) True = real source token."""
         y = y + self.drop(self.self_attn(self.norm1(y), cache=cache))
-        r = self.cross_attn(
-            self.norm2(y), kv=kv, key_padding_mask=mask, return_weights=return_weights
-        )
+        r = self.cross_attn(self.norm2(y), kv=kv, key_mask=mask, return_weights=return_weights)
         a, w = r if return_weights else (r, None)
         y = y + self.drop(a)
         return y + self.drop(self.ff(self.norm3(y))), w  # w: (B, H, T, S) or None
