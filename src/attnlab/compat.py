@@ -24,11 +24,19 @@ Differences from torch, kept on purpose:
 
 * A query row that may attend no key at all (every key padded or masked) gets attention
   weights 0 and attention output 0 -- the layer then returns ``out_proj.bias`` for it -- with
-  finite gradients. torch returns NaN there, which then spreads through the loss.
+  finite gradients. torch returns NaN there with ``need_weights=True`` (and NaN or 0,
+  depending on the kernel, without), and the NaN then spreads through the loss.
 * Dropout draws its random numbers differently, so training-mode outputs follow the same
   distribution as torch's but not the same values for a given seed.
+* ``dropout=1.0`` (every weight dropped) is refused in training mode, as attnlab's dropout
+  takes probabilities in [0, 1).
 * There is no NestedTensor fast path; where torch's fast path (eval, batch_first,
   self-attention) and slow path differ in rounding, this module follows the slow path.
+
+Bad inputs raise torch's exception type (``AssertionError`` or ``RuntimeError`` for shapes and
+mask dtypes) through classes that are also attnlab's ``ValueError``/``TypeError``, so an
+``except`` written for either keeps working, and the message names the argument, what was
+expected, what was received and the fix.
 """
 
 from __future__ import annotations
