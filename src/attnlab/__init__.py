@@ -20,6 +20,7 @@ _EXPORTS = {
     "reference": "attnlab.reference",
     "nn": "attnlab.nn",
     "cache": "attnlab.cache",
+    "compat": "attnlab.compat",
     "MultiHeadAttention": "attnlab.nn",
     "AdditiveAttention": "attnlab.nn",
     "LuongAttention": "attnlab.nn",

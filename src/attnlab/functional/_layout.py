@@ -60,19 +60,19 @@ def as_4d(
 
 
 def nonfinite_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Which output rows a NaN or an infinity reaches: (B, H, L, E), (B, Hkv, S, *) -> (B, H, L, 1).
+    """Which output rows a NaN or an infinity reaches: (..., L, E), (..., S, *) -> (..., L, 1).
 
     attnlab's policy (docs/conventions.md): non-finite inputs propagate as NaN, never turn
-    into numbers. Output row ``i`` of head ``h`` is NaN when query row ``i`` holds a NaN or an
-    inf, or when any key or value of the kv head that ``h`` reads does -- masked or not, as in
-    torch's kernels (a mask does not clean a NaN).
+    into numbers. Output row ``i`` is NaN when query row ``i`` holds a NaN or an inf, or when
+    any key or value that its head reads does -- masked or not, as in torch's kernels (a mask
+    does not clean a NaN). 4-D grouped-query inputs: head ``h`` reads kv head ``h // G``;
+    other leading dims broadcast.
     """
-    B, H, L, _ = query.shape
-    Hkv = key.shape[1]
-    bad = ~torch.isfinite(query).all(-1, keepdim=True)  # (B, H, L, 1)
-    kv_ok = torch.isfinite(key).flatten(2).all(-1) & torch.isfinite(value).flatten(2).all(-1)
-    kv_bad = ~kv_ok.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv) -> (B, H): head h reads h // G
-    return bad | kv_bad[:, :, None, None]
+    bad = ~torch.isfinite(query).all(-1, keepdim=True)  # (..., L, 1)
+    kv_ok = torch.isfinite(key).flatten(-2).all(-1) & torch.isfinite(value).flatten(-2).all(-1)
+    if query.dim() == 4 and key.dim() == 4 and 0 < key.shape[1] != query.shape[1]:
+        kv_ok = kv_ok.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # (B, Hkv) -> (B, H)
+    return bad | ~kv_ok[..., None, None]
 
 
 def grouped_scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:

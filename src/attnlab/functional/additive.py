@@ -20,10 +20,12 @@ also runs in bounded memory:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from attnlab._checks import causal_alignment, check_floating, check_mask
-from attnlab.functional._layout import with_causal
+from attnlab.functional._layout import nonfinite_rows, with_causal
 from attnlab.functional.softmax import LOW_PRECISION, attention
 
 CHUNK_BYTES = 8 * 2**20  # per-block buffer: large enough for big matmuls, small for the caches
@@ -133,8 +135,9 @@ def _scores(query, key, w_query, w_key, w_score, bias) -> torch.Tensor:
         a = a + bias.to(dtype)
     b = key.to(dtype) if w_key is None else key.to(dtype) @ w_key.to(dtype).T  # (..., S, A)
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])  # (N, L, A)
-    b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])  # (N, S, A)
+    N = math.prod(lead)
+    a3 = a.expand(*lead, *a.shape[-2:]).reshape(N, *a.shape[-2:])  # (N, L, A)
+    b3 = b.expand(*lead, *b.shape[-2:]).reshape(N, *b.shape[-2:])  # (N, S, A)
     scores = _AdditiveScores.apply(
         a3.contiguous(), b3.contiguous(), w_score.to(dtype).contiguous(), CHUNK_BYTES
     )
@@ -242,7 +245,9 @@ def additive_attention(
     if attn_mask is not None:
         check_mask(attn_mask, tuple(scores.shape))
     mask = with_causal(attn_mask, alignment, L, S, scores.device)
-    out = attention(scores, value, mask, dropout_p=dropout_p, return_weights=return_weights)
+    out, weights = attention(scores, value, mask, dropout_p=dropout_p, return_weights=True)
+    bad = nonfinite_rows(query, key, value)  # NaN/inf inputs propagate (docs/conventions.md)
+    out = out.masked_fill(bad, float("nan")).to(query.dtype)
     if return_weights:
-        return out[0].to(query.dtype), out[1].to(query.dtype)
-    return out.to(query.dtype)
+        return out, weights.masked_fill(bad, float("nan")).to(query.dtype)
+    return out

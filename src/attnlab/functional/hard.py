@@ -21,8 +21,14 @@ import math
 
 import torch
 
-from attnlab._checks import causal_alignment, check_floating, check_mask, check_qkv
-from attnlab.functional._layout import as_4d, grouped_scores, grouped_weighted_sum, with_causal
+from attnlab._checks import causal_alignment, check_floating, check_mask, check_qkv, check_scale
+from attnlab.functional._layout import (
+    as_4d,
+    grouped_scores,
+    grouped_weighted_sum,
+    nonfinite_rows,
+    with_causal,
+)
 from attnlab.functional.softmax import LOW_PRECISION, apply_mask, masked_softmax
 from attnlab.masks import plain
 
@@ -31,6 +37,8 @@ MODES = ("argmax", "sample", "topk")
 
 def _one_hot_argmax(x: torch.Tensor) -> torch.Tensor:
     """One-hot (..., S) at the first maximum of each row; rows of only -inf give all zeros."""
+    if x.shape[-1] == 0:  # S = 0: no key to pick
+        return torch.zeros_like(x)
     hard = torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
     return hard.masked_fill(~(x > float("-inf")).any(-1, keepdim=True), 0.0)
 
@@ -145,12 +153,15 @@ def hard_attention(
                 f"{tuple(noise.shape)}."
             )
         noise = noise.reshape(*q.shape[:-1], S)  # user layout -> (B, H, L, S)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    check_scale(scale)
+    if scale is None:  # E = 0: every score is 0 whatever the scale
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
     scores = grouped_scores(q * scale, k)  # (B, H, L, S)
     mask = with_causal(mask, alignment, L, S, q.device)
     weights = hard_attention_weights(
         scores, mask, mode=mode, top_k=top_k, tau=tau, noise=noise, generator=generator
     )
     out = grouped_weighted_sum(weights, v)  # (B, H, L, Ev)
+    bad = nonfinite_rows(q, k, v)  # NaN/inf inputs propagate (docs/conventions.md)
+    out, weights = out.masked_fill(bad, float("nan")), weights.masked_fill(bad, float("nan"))
     return (restore(out), restore(weights)) if return_weights else restore(out)

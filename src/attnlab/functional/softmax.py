@@ -54,6 +54,8 @@ def masked_softmax(
         tensor([[0.2689, 0.7311, 0.0000],
                 [0.0000, 0.0000, 0.0000]])
     """
+    if mask is not None:
+        check_mask(mask, tuple(scores.shape), name="mask")
     x = scores.float() if scores.dtype in LOW_PRECISION else scores
     x = apply_mask(x, mask)
     # A row with no attendable key would be softmax([-inf, ...]) = NaN. Give it finite dummy

@@ -61,8 +61,8 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(
         self,
-        d_model: int,
-        num_heads: int,
+        d_model: int | None = None,  # required; None only so torch's names get a clear error
+        num_heads: int | None = None,
         *positional,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
@@ -87,6 +87,11 @@ class MultiHeadAttention(nn.Module):
                 f"positional argument is dropout), or use {COMPAT}."
             )
         refuse("MultiHeadAttention", torch_names, INIT)
+        for name, value in (("d_model", d_model), ("num_heads", num_heads)):
+            if value is None:
+                raise TypeError(
+                    f"MultiHeadAttention needs {name}; e.g. (d_model=512, num_heads=8)."
+                )
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         _check_config(d_model, num_heads, num_kv_heads, head_dim, attn_dropout, out_dropout)

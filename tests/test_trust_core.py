@@ -1,0 +1,370 @@
+"""Issue 12, the core: habits ported from PyTorch, NaN policy, degenerate shapes, compile/export.
+
+Every case here gave a silent wrong answer or an unclear error before (see each test's comment).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import attnlab.functional as AF
+from attnlab import masks
+from attnlab.cache import DynamicCache, StaticCache
+from attnlab.nn import DotProductAttention, MultiHeadAttention
+
+nan, inf = float("nan"), float("inf")
+
+
+def qkv(B=2, H=4, Hkv=2, L=5, S=7, E=8, Ev=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(B, H, L, E, generator=g, dtype=dtype),
+        torch.randn(B, Hkv, S, E, generator=g, dtype=dtype),
+        torch.randn(B, Hkv, S, Ev, generator=g, dtype=dtype),
+    )
+
+
+# --- torch's names keep torch's meanings -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,fix",
+    [
+        ({"key_padding_mask": torch.zeros(2, 5, dtype=torch.bool)}, "key_mask="),
+        ({"attn_mask": torch.ones(5, 5, dtype=torch.bool)}, "mask="),
+        ({"need_weights": True}, "return_weights=True"),
+        ({"average_attn_weights": True}, "average_weights=True"),
+    ],
+)
+def test_layer_refuses_torch_names_and_names_the_attnlab_spelling(kwargs, fix):
+    # before: key_padding_mask/attn_mask were read with the opposite polarity to torch's module
+    layer = MultiHeadAttention(16, 4)
+    with pytest.raises(TypeError) as info:
+        layer(torch.randn(2, 5, 16), **kwargs)
+    assert fix in str(info.value) and "attnlab.compat.MultiheadAttention" in str(info.value)
+    with pytest.raises(TypeError, match=fix.rstrip("=")):
+        DotProductAttention()(
+            torch.randn(2, 5, 16), torch.randn(2, 5, 16), torch.randn(2, 5, 16), **kwargs
+        )
+
+
+def test_torch_style_call_cannot_split_the_batch():
+    # before: `out, w = mha(x, x, x)` with B = 2 unpacked the batch into out and w
+    layer = MultiHeadAttention(16, 4)
+    x = torch.randn(2, 3, 16)
+    with pytest.raises(TypeError, match=r"key= and value= by keyword.*attnlab.compat"):
+        out, w = layer(x, x, x)
+    torch.testing.assert_close(layer(x, key=x, value=x), layer(x))
+
+
+def test_constructor_refuses_torch_positional_dropout_and_embed_dim():
+    # before: MultiHeadAttention(512, 8, 0.1) -> "num_kv_heads must be a positive int; got 0.1"
+    with pytest.raises(TypeError, match=r"attn_dropout=0.1.*torch's third positional"):
+        MultiHeadAttention(512, 8, 0.1)
+    with pytest.raises(TypeError, match="d_model="):
+        MultiHeadAttention(embed_dim=512, num_heads=8)
+    with pytest.raises(TypeError, match="batch-first"):
+        MultiHeadAttention(16, 4, batch_first=False)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'nonsense'"):
+        MultiHeadAttention(16, 4, nonsense=1)
+
+
+def test_from_torch_refuses_sequence_first_modules():
+    # before: accepted, then (L, B, E) inputs were misread as (B, L, E): difference 1.20
+    with pytest.raises(ValueError, match=r"batch_first=False.*attnlab.compat.MultiheadAttention"):
+        MultiHeadAttention.from_torch(nn.MultiheadAttention(16, 4))
+
+
+def test_a_foreign_cache_object_is_refused():
+    class DynamicCacheFromElsewhere:  # e.g. transformers.DynamicCache
+        pass
+
+    layer = MultiHeadAttention(16, 4, is_causal=True, layer_idx=0)
+    with pytest.raises(TypeError, match=r"attnlab.cache cache.*DynamicCacheFromElsewhere"):
+        layer(torch.randn(1, 3, 16), cache=DynamicCacheFromElsewhere())
+
+
+def test_key_mask_true_means_real_token_and_matches_torch_module():
+    # torch's all-False key_padding_mask ("no padding") gave an output of exactly 0 when passed
+    # as is; with attnlab's own name and meaning, all-True means no padding.
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    ours = MultiHeadAttention.from_torch(ref)
+    x = torch.randn(2, 5, 16)
+    torch_kpm = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])  # torch: True = padding
+    want = ref(x, x, x, key_padding_mask=torch_kpm, need_weights=False)[0]
+    got = ours(x, key_mask=~torch_kpm)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert got.abs().amax() > 0.1
+
+
+# --- NaN is never turned into a number ---------------------------------------------------------
+
+PATHS = ["fused", "weights", "eager"]
+
+
+def run_path(path, q, k, v, mask=None, is_causal=False):
+    if path == "fused":
+        return AF.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal)
+    if path == "weights":
+        with torch.no_grad():
+            return AF.scaled_dot_product_attention(
+                q, k, v, mask, is_causal=is_causal, return_weights=True
+            )[0]
+    q = q.clone().requires_grad_()
+    out, _ = AF.scaled_dot_product_attention(
+        q, k, v, mask, is_causal=is_causal, return_weights=True
+    )
+    return out.detach()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bad", [nan, inf, -inf])
+def test_nonfinite_query_row_gives_nan_row_on_every_path(path, bad):
+    # before: a NaN query row gave 0 on the fused and eager paths, NaN on the weights path
+    q, k, v = qkv()
+    q[0, 1, 2, 3] = bad
+    out = run_path(
+        path, q, k, v, torch.rand(5, 7, generator=torch.Generator().manual_seed(1)) > 0.2
+    )
+    assert out[0, 1, 2].isnan().all()
+    out[0, 1, 2] = 0
+    assert torch.isfinite(out).all()  # nothing else is touched
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("where", ["key", "value"])
+def test_nonfinite_key_or_value_reaches_the_heads_that_read_it_even_if_masked(path, where):
+    q, k, v = qkv()
+    (k if where == "key" else v)[1, 0, 6, 0] = nan  # kv head 0 serves query heads 0 and 1
+    mask = torch.ones(5, 7, dtype=torch.bool)
+    mask[:, 6] = False  # the NaN key is masked for every query: a mask does not clean a NaN
+    out = run_path(path, q, k, v, mask)
+    assert out[1, :2].isnan().all()
+    assert torch.isfinite(out[1, 2:]).all() and torch.isfinite(out[0]).all()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_only_masks_make_rows_dead(path):
+    q, k, v = qkv()
+    mask = torch.ones(5, 7, dtype=torch.bool)
+    mask[3] = False
+    out = run_path(path, q, k, v, mask)
+    assert (out[:, :, 3] == 0).all() and torch.isfinite(out).all()
+    q[0, 0, 3, 0] = nan  # a dead row whose query is NaN is NaN, not 0
+    assert run_path(path, q, k, v, mask)[0, 0, 3].isnan().all()
+
+
+def test_masked_softmax_additive_and_hard_follow_the_policy():
+    # before: masked_softmax of an all-NaN row gave [0, 0, 0]
+    assert AF.masked_softmax(torch.tensor([[nan, nan, nan]])).isnan().all()
+    w = AF.masked_softmax(torch.tensor([[1.0, nan, 2.0], [1.0, 2.0, 3.0]]))
+    assert w[0].isnan().all() and torch.isfinite(w[1]).all()
+    dead = AF.masked_softmax(torch.randn(2, 3), torch.tensor([[False] * 3, [True] * 3]))
+    assert (dead[0] == 0).all() and torch.isclose(dead[1].sum(), torch.tensor(1.0))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 3, 4, generator=g),
+        torch.randn(2, 5, 4, generator=g),
+        torch.randn(2, 5, 6, generator=g),
+    )
+    q[0, 1, 0] = nan
+    w_q, w_k, w_s = torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g), torch.randn(8)
+    out, w = AF.additive_attention(q, k, v, w_q, w_k, w_s, return_weights=True)
+    assert out[0, 1].isnan().all() and w[0, 1].isnan().all()
+    assert torch.isfinite(out[1]).all() and torch.isfinite(out[0, [0, 2]]).all()
+    out = AF.hard_attention(q, k, v)
+    assert out[0, 1].isnan().all() and torch.isfinite(out[1]).all()
+
+
+def test_nonfinite_scale_and_out_of_range_bias_are_refused():
+    # before: scale=nan was accepted (output all 0); a float32 finfo.min mask with fp16 inputs
+    # gave weights 0 where float32 gives uniform weights
+    q, k, v = qkv()
+    for scale in (nan, inf):
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            AF.scaled_dot_product_attention(q, k, v, scale=scale)
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            AF.hard_attention(q, k, v, scale=scale)
+    bias = torch.zeros(5, 7)
+    bias[2] = torch.finfo(torch.float32).min
+    with pytest.raises(ValueError, match=r"below torch.float16's range.*-inf"):
+        AF.scaled_dot_product_attention(q.half(), k.half(), v.half(), bias)
+    bias[2] = -inf  # the fix the message names
+    out = AF.scaled_dot_product_attention(q.half(), k.half(), v.half(), bias)
+    assert (out[:, :, 2] == 0).all()
+
+
+# --- degenerate shapes give torch's results ----------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("empty", ["B", "H", "L", "S", "E"])
+def test_empty_dimensions_give_torchs_result(path, empty):
+    # before: H = 0 raised ValueError, E = 0 ZeroDivisionError
+    d = {"B": 2, "H": 2, "L": 3, "S": 4, "E": 5}
+    d[empty] = 0
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(d["B"], d["H"], d["L"], d["E"], generator=g)
+    k = torch.randn(d["B"], d["H"], d["S"], d["E"], generator=g)
+    v = torch.randn(d["B"], d["H"], d["S"], 6, generator=g)
+    want = F.scaled_dot_product_attention(q, k, v)
+    got = run_path(path, q, k, v)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want)
+
+
+def test_hard_and_additive_attention_with_no_keys():
+    # before: IndexError (hard) and RuntimeError (additive) for S = 0
+    q, k, v = torch.randn(2, 3, 4), torch.randn(2, 0, 4), torch.randn(2, 0, 6)
+    assert (AF.hard_attention(q, k, v) == 0).all()
+    out = AF.additive_attention(q, k, v, torch.randn(8, 4), torch.randn(8, 4), torch.randn(8))
+    assert out.shape == (2, 3, 6) and (out == 0).all()
+
+
+def test_leading_batch_dims_beyond_four_as_torch():
+    # before: a 5-D query raised
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 4, 5, 8, generator=g) for _ in range(3))
+    mask = torch.rand(2, 1, 5, 5, generator=g) > 0.3
+    mask[..., 0] = True
+    torch.testing.assert_close(
+        AF.scaled_dot_product_attention(q, k, v, mask),
+        F.scaled_dot_product_attention(q, k, v, mask),
+    )
+    out, w = AF.scaled_dot_product_attention(q, k, v, return_weights="average")
+    assert w.shape == (3, 2, 5, 5)
+    torch.testing.assert_close(w.sum(-1), torch.ones(3, 2, 5))
+
+
+@pytest.mark.parametrize("path", ["fused", "dropout", "weights-grad", "weights"])
+def test_a_mask_that_would_enlarge_the_scores_is_refused_on_every_path(path):
+    # before: accepted; wrong output shapes on the dropout and autograd paths
+    q, k, v = qkv(B=1, H=1, Hkv=1, L=1, S=8)
+    mask = torch.ones(1, 1, 3, 8, dtype=torch.bool)
+    kw = {"dropout_p": 0.5} if path == "dropout" else {}
+    if path.startswith("weights"):
+        kw["return_weights"] = True
+    if path == "weights-grad":
+        q.requires_grad_()
+    with pytest.raises(ValueError, match="without enlarging it"):
+        AF.scaled_dot_product_attention(q, k, v, mask, **kw)
+
+
+# --- every path compiles and exports -----------------------------------------------------------
+
+
+class Fn(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.kw = kw
+
+    def forward(self, q, k, v, mask):
+        return AF.scaled_dot_product_attention(q, k, v, mask, **self.kw)
+
+
+def bool_mask(L=5, S=7):
+    m = torch.rand(2, 1, L, S, generator=torch.Generator().manual_seed(3)) > 0.3
+    m[..., 0] = True
+    return m
+
+
+CASES = {
+    "bool mask, GQA": ({}, lambda: bool_mask()),
+    "float mask": ({}, lambda: masks.to_additive(bool_mask())),
+    "attnlab Mask": ({}, lambda: masks.padding_mask([7, 4], 7)),
+    "bottom-right causal L != S": ({"is_causal": "bottom_right"}, lambda: None),
+    "top-left causal + mask": ({"is_causal": "top_left"}, lambda: bool_mask()),
+    "weights per head": ({"return_weights": True}, lambda: bool_mask()),
+    "weights averaged, causal": (
+        {"return_weights": "average", "is_causal": "bottom_right"},
+        lambda: None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_function_exports_and_equals_eager(case):
+    # before: torch.export with an attn_mask failed ("fake tensor in the exported program
+    # constant's list"); bottom-right causal failed under compile (as_subclass)
+    kw, make_mask = CASES[case]
+    q, k, v = qkv()
+    mask = make_mask()
+    fn = Fn(**kw)
+    want = fn(q, k, v, mask)
+    exported = torch.export.export(fn, (q, k, v, mask))
+    got = exported.module()(q, k, v, mask)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "case", ["bool mask, GQA", "bottom-right causal L != S", "weights per head"]
+)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_function_compiles_fullgraph_and_differentiates(case, backend):
+    kw, make_mask = CASES[case]
+    q, k, v = qkv()
+    mask = make_mask()
+    torch._dynamo.reset()
+    compiled = torch.compile(Fn(**kw), fullgraph=True, backend=backend)
+    qs = [q.clone().requires_grad_() for _ in range(2)]
+    outs = [Fn(**kw)(qs[0], k, v, mask), compiled(qs[1], k, v, mask)]
+    for o in outs:
+        (o[0] if isinstance(o, tuple) else o).square().sum().backward()
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(qs[1].grad, qs[0].grad, rtol=1e-5, atol=1e-6)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(
+            32, 4, num_kv_heads=2, is_causal=True, rope=True, layer_idx=0
+        )
+        self.cross = MultiHeadAttention(32, 4, num_kv_heads=1)
+
+    def forward(self, x, mem, key_mask, mask):
+        y = self.self_attn(x, key_mask=key_mask)
+        return self.cross(y, key=mem, mask=mask, return_weights=True)
+
+
+def test_layers_compile_and_export():
+    torch.manual_seed(0)
+    block = Block().eval()
+    x, mem = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    key_mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+    mask = masks.to_additive(bool_mask())
+    with torch.no_grad():
+        want = block(x, mem, key_mask, mask)
+        got = torch.compile(block, fullgraph=True)(x, mem, key_mask, mask)
+        exported = torch.export.export(block, (x, mem, key_mask, mask)).module()(
+            x, mem, key_mask, mask
+        )
+    for out in (got, exported):
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_cached_decode_step_compiles_fullgraph(cache_kind):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(32, 4, num_kv_heads=2, is_causal=True, rope=True, layer_idx=0).eval()
+    x = torch.randn(2, 6, 32)
+
+    def decode(step_fn, cache):
+        outs = [step_fn(x[:, :3], cache)]
+        outs += [step_fn(x[:, t : t + 1], cache) for t in range(3, 6)]
+        return torch.cat(outs, 1)
+
+    make = {"dynamic": DynamicCache, "static": lambda: StaticCache(8)}[cache_kind]
+    torch._dynamo.reset()
+    step = torch.compile(lambda t, c: layer(t, cache=c), fullgraph=True)
+    with torch.no_grad():
+        want = decode(lambda t, c: layer(t, cache=c), make())
+        got = decode(step, make())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert math.isfinite(float(got.abs().sum()))
