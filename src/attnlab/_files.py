@@ -49,6 +49,14 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     return path
 
 
+def make_temp_dir(parent: str | os.PathLike[str], prefix: str) -> Path:
+    """A new, uniquely named folder in ``parent`` (``PREFIX<random>.tmp``), with the permissions
+    of a folder made by ``mkdir`` (:func:`tempfile.mkdtemp` makes it private to the user)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=parent))
+    os.chmod(path, 0o777 & ~_UMASK)
+    return path
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     """UTF-8 text, written atomically."""
     return atomic_write_bytes(path, text.encode("utf-8"))
@@ -64,6 +72,27 @@ def atomic_save_png(fig: Any, path: str | os.PathLike[str], **savefig_kwargs: An
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", **savefig_kwargs)
     return atomic_write_bytes(path, buffer.getvalue())
+
+
+def kill_point(label: str) -> None:
+    """A test hook: ``ATTNLAB_TEST_KILL_AT=LABEL`` (or ``LABEL@N``, the N-th time) makes the
+    process kill itself with SIGKILL when it reaches the point named ``label``, as a power cut
+    or ``kill -9`` would. Fault tests use it to stop a run at an exact point (inside a checkpoint
+    write, say); unset, it costs one dictionary lookup."""
+    wanted = os.environ.get("ATTNLAB_TEST_KILL_AT")
+    if not wanted:
+        return
+    name, _, nth = wanted.partition("@")
+    if name != label:
+        return
+    _KILL_COUNTS[label] = _KILL_COUNTS.get(label, 0) + 1
+    if _KILL_COUNTS[label] >= int(nth or 1):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_KILL_COUNTS: dict[str, int] = {}
 
 
 def _read_umask() -> int:

@@ -9,7 +9,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,11 @@ import torch
 
 from attnlab.translate import checkpoint as ckpt
 from attnlab.translate.batching import length_sorted_chunks, source_tensor
+from attnlab.translate.checkpoint import RunFileError, UsageError  # noqa: F401 - API
 from attnlab.translate.decoding import decode, length_limits
-from attnlab.translate.models import build_model, count_parameters
-from attnlab.translate.tokenizer import SPECIALS, Tokenizer
+from attnlab.translate.models import MODELS, build_model, count_parameters
+from attnlab.translate.tokenizer import KINDS, SPECIALS, Tokenizer
+from attnlab.translate.trainer import TrainOptions
 
 
 @dataclass
@@ -48,10 +49,6 @@ class Translation:
     score: float
 
 
-class UsageError(ValueError):
-    """A run directory that cannot be used, with the fix in the message."""
-
-
 def check_run_dir(run_dir: str | os.PathLike[str]) -> Path:
     path = Path(run_dir)
     if not path.exists():
@@ -67,9 +64,78 @@ def check_run_dir(run_dir: str | os.PathLike[str]) -> Path:
     return path
 
 
+CONFIG_SECTIONS = ("task", "tokenizer", "model", "train")
+MODEL_INTS = (
+    "emb_dim",
+    "hidden",
+    "enc_layers",
+    "dec_layers",
+    "heads",
+    "kv_heads",
+    "d_model",
+    "d_ff",
+)
+
+
 def read_config(run_dir: str | os.PathLike[str]) -> dict:
-    path = check_run_dir(run_dir)
-    return json.loads((path / ckpt.CONFIG).read_text(encoding="utf-8"))
+    """The run's ``config.json``, checked: its sections, their keys and types, and that its model
+    section builds a model. Any problem raises :class:`RunFileError` naming the file."""
+    path = check_run_dir(run_dir) / ckpt.CONFIG
+    config = ckpt.read_json_object(path)
+    missing = [k for k in CONFIG_SECTIONS if k not in config]
+    if missing:
+        raise RunFileError(
+            path,
+            f"missing section(s) {', '.join(map(repr, missing))}: not a config written by "
+            "attnlab train",
+        )
+    for key in (*CONFIG_SECTIONS, "decode"):
+        if key in config and not isinstance(config[key], dict):
+            raise RunFileError(path, f"section {key!r} must be a JSON object")
+    if not isinstance(config["task"].get("name"), str):
+        raise RunFileError(path, "section 'task' needs a 'name' (a string)")
+    if config["tokenizer"].get("kind") not in KINDS:
+        raise RunFileError(path, f"'tokenizer' 'kind' must be one of {KINDS}")
+    _check_model_section(config["model"], path)
+    try:
+        TrainOptions.from_dict(config["train"])
+    except ValueError as e:
+        raise RunFileError(path, str(e)) from None
+    decode = config.get("decode", {})
+    beam = decode.get("beam_size", 1)
+    if not (ckpt.is_int(beam) and beam >= 1):
+        raise RunFileError(path, f"'decode' 'beam_size' must be an integer >= 1, got {beam!r}")
+    if not ckpt.is_number(decode.get("length_penalty", 0.0)):
+        raise RunFileError(path, "'decode' 'length_penalty' must be a number")
+    budget = config.get("time_budget_minutes")
+    if budget is not None and not (ckpt.is_number(budget) and budget > 0):
+        raise RunFileError(
+            path, f"'time_budget_minutes' must be a number > 0 or null, got {budget!r}"
+        )
+    return config
+
+
+def _check_model_section(model: dict, path: Path) -> None:
+    """The model settings must have their types and build a model (tried on the meta device:
+    no memory is used, so absurd sizes fail here, not in an allocation)."""
+    if model.get("kind") not in MODELS:
+        raise RunFileError(
+            path, f"'model' 'kind' must be one of {MODELS}, got {model.get('kind')!r}"
+        )
+    for key in MODEL_INTS:
+        value = model.get(key)
+        if key in model and not (value is None or (ckpt.is_int(value) and 1 <= value <= 65536)):
+            raise RunFileError(
+                path, f"'model' {key!r} must be an integer in [1, 65536], got {value!r}"
+            )
+    dropout = model.get("dropout", 0.0)
+    if not (ckpt.is_number(dropout) and 0 <= dropout < 1):
+        raise RunFileError(path, f"'model' 'dropout' must be a number in [0, 1), got {dropout!r}")
+    try:
+        with torch.device("meta"):
+            build_model(model, len(SPECIALS) + 1)
+    except Exception as e:  # noqa: BLE001 - whatever the constructors reject
+        raise RunFileError(path, f"its 'model' section does not build a model ({e})") from None
 
 
 class Translator:
@@ -89,6 +155,12 @@ class Translator:
                 f"train again with: attnlab train --out {self.run_dir} --resume"
             )
         self.tokenizer = Tokenizer.load(self.run_dir / ckpt.TOKENIZER)
+        if self.tokenizer.kind != self.config["tokenizer"]["kind"]:
+            raise RunFileError(
+                self.run_dir / ckpt.TOKENIZER,
+                f"a {self.tokenizer.kind} tokenizer, but {ckpt.CONFIG} says "
+                f"{self.config['tokenizer']['kind']}",
+            )
         self.device = torch.device(device)
         self.model = build_model(self.config["model"], self.tokenizer.vocab_size)
         weights = self.run_dir / ckpt.WEIGHTS
@@ -100,7 +172,7 @@ class Translator:
                     f"attnlab train --out {self.run_dir} --resume"
                 )
             weights = latest / ckpt.WEIGHTS  # an interrupted run: use its last checkpoint
-        ckpt.load_model_state(self.model, ckpt.load_tensors(weights))
+        ckpt.load_weights(self.model, weights)
         self.model.to(self.device).eval()
         self.decode_options = dict(self.config.get("decode", {}))
 

@@ -23,7 +23,6 @@ import os
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
@@ -80,14 +79,57 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """Read a tokenizer written by :meth:`save`."""
-        text = Path(path).read_text(encoding="utf-8")
-        data = json.loads(text)
-        if data.get("attnlab_tokenizer") == "char":
-            return cls("char", chars=data["chars"])
+        """Read a tokenizer written by :meth:`save`, checked first.
+
+        Raises:
+            attnlab.translate.checkpoint.RunFileError: (a ``ValueError``) the file is missing,
+                empty, not UTF-8 JSON, or not a tokenizer of attnlab's two kinds with the
+                special tokens at their fixed ids; the message names the file.
+        """
+        from attnlab.translate.checkpoint import RunFileError, read_bytes, read_json
+
+        raw = read_bytes(path)
+        data = read_json(path, raw)
+        if not isinstance(data, dict):
+            raise RunFileError(
+                path,
+                "not a tokenizer: expected a JSON object (attnlab's char tokenizer or a "
+                f"Hugging Face tokenizers file), found a {type(data).__name__}",
+            )
+        if "attnlab_tokenizer" in data:
+            chars = data.get("chars")
+            if data["attnlab_tokenizer"] != "char" or not isinstance(chars, list):
+                raise RunFileError(
+                    path,
+                    "not a char tokenizer: expected 'attnlab_tokenizer': 'char' and a list 'chars'",
+                )
+            if not all(isinstance(c, str) and len(c) == 1 for c in chars):
+                raise RunFileError(path, "'chars' must be single characters")
+            if len(set(chars)) != len(chars):
+                raise RunFileError(path, "'chars' lists a character twice")
+            return cls("char", chars=chars)
+        if not isinstance(data.get("model"), dict) or "vocab" not in data["model"]:
+            raise RunFileError(
+                path,
+                "not a tokenizer: neither attnlab's char tokenizer nor a Hugging Face "
+                "tokenizers file (no 'attnlab_tokenizer', no 'model' with a 'vocab')",
+            )
         from tokenizers import Tokenizer as HFTokenizer
 
-        return cls("bpe", hf=HFTokenizer.from_str(text))
+        try:
+            hf = HFTokenizer.from_str(raw.decode("utf-8"))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception type
+            raise RunFileError(
+                path, f"not a usable Hugging Face tokenizer ({' '.join(str(e).split())[:160]})"
+            ) from None
+        for i, special in enumerate(SPECIALS):
+            if hf.token_to_id(special) != i:
+                raise RunFileError(
+                    path,
+                    f"special token {special!r} must have id {i}, has "
+                    f"{hf.token_to_id(special)}: not a tokenizer written by attnlab",
+                )
+        return cls("bpe", hf=hf)
 
     def to_json(self) -> str:
         if self.kind == "char":

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from attnlab._files import kill_point
 from attnlab.translate import checkpoint as ckpt
 from attnlab.translate.batching import Encoded, collate, epoch_batches, shard
 from attnlab.translate.tokenizer import PAD
@@ -75,7 +76,20 @@ class TrainOptions:
         if "checkpoint_every" in d:  # its former name, in older config.json files
             d.setdefault("checkpoint_seconds", d.pop("checkpoint_every"))
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        for key, value in known.items():
+            check_option(key, value, cls.__dataclass_fields__[key].type)
         return cls(**known)
+
+
+def check_option(key: str, value, annotation: str) -> None:
+    """A training setting read from a file must have its field's type; numbers are >= 0."""
+    if value is None and "None" in annotation:
+        return
+    wanted = "an integer" if annotation.startswith("int") else "a number"
+    ok = ckpt.is_int(value) if annotation.startswith("int") else ckpt.is_number(value)
+    least = 1 if key == "max_tokens" else 0
+    if not ok or (key != "seed" and value < least):
+        raise ValueError(f"training setting {key!r} must be {wanted} >= {least}, got {value!r}")
 
 
 @dataclass
@@ -246,11 +260,13 @@ def fit(
     )
     schedule = Schedule(opts.lr, opts.warmup, opts.min_lr_ratio)
     state = TrainState()
+    if dist.main:
+        ckpt.clean_checkpoints(run_dir)  # leftovers of a crash: temporary and half-written files
     if resume:
-        folder = ckpt.latest_checkpoint(run_dir)
-        if folder is None:
+        found = ckpt.resume_checkpoint(run_dir, model, optimizer)
+        if found is None:
             raise ValueError(f"{run_dir} has no checkpoint to resume from; train without --resume")
-        saved = ckpt.load_checkpoint(folder, model, optimizer)
+        _, saved = found
         state = TrainState(
             **{k: v for k, v in saved.items() if k in TrainState.__dataclass_fields__}
         )
@@ -296,9 +312,13 @@ def fit(
             p = max(p, state.cpu_seconds / opts.cpu_seconds)
         return p
 
+    saved_step = None  # the step of this session's last checkpoint
+
     def save() -> None:
-        if dist.main:
+        nonlocal saved_step
+        if dist.main and saved_step != state.step:  # nothing new since the last one: skip
             ckpt.save_checkpoint(run_dir, state.step, model, optimizer, state.to_dict())
+            saved_step = state.step
 
     def validate() -> None:
         if not dist.main:
@@ -312,14 +332,19 @@ def fit(
             "val_loss": round(loss, 4),
             "val_ppl": round(math.exp(min(loss, 50)), 2),
         }
+        kill_point("evaluate")  # evaluated, not yet recorded
         state.history.append(rec)
-        with open(run_dir / "train.log", "a", encoding="utf-8") as f:
+        with open(run_dir / ckpt.TRAIN_LOG, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
+        kill_point("evaluate:logged")  # train.log is ahead of the last checkpoint
         if bar is not None:
             bar.write(
                 f"  step {state.step}: validation loss {loss:.3f} (perplexity {rec['val_ppl']})"
             )
 
+    if dist.main:  # train.log holds the validations of the checkpoint's history, no more
+        log_lines = "".join(json.dumps(rec) + "\n" for rec in state.history)
+        ckpt.atomic_write_text(run_dir / ckpt.TRAIN_LOG, log_lines)
     from tqdm.auto import tqdm
 
     bar = None
@@ -384,6 +409,7 @@ def fit(
                 state.step += 1
                 state.position += 1
                 state.tokens += n_tokens
+                kill_point("step")
                 state.elapsed = base_elapsed + time.monotonic() - session_start
                 state.cpu_seconds = base_cpu + time.process_time() - cpu_start
                 tok_loss = float(loss_sum.detach()) / max(1, b.num_tokens)
