@@ -172,9 +172,29 @@ class Translator:
                     f"attnlab train --out {self.run_dir} --resume"
                 )
             weights = latest / ckpt.WEIGHTS  # an interrupted run: use its last checkpoint
-        ckpt.load_weights(self.model, weights)
+        tensors = ckpt.load_tensors(weights)
+        self._check_vocabulary(tensors, weights)
+        ckpt.load_model_state(self.model, tensors, weights)
         self.model.to(self.device).eval()
         self.decode_options = dict(self.config.get("decode", {}))
+
+    def _check_vocabulary(self, tensors: dict, weights: Path) -> None:
+        """Weights whose vocabulary rows differ from the tokenizer's size (and nothing else):
+        the tokenizer is not the one these weights were trained with."""
+        V = self.tokenizer.vocab_size
+        for name, like in ckpt.model_state(self.model).items():
+            got = tensors.get(name)
+            if got is None or got.dim() != like.dim() or tuple(got.shape) == tuple(like.shape):
+                continue
+            differ = [
+                i for i, (a, b) in enumerate(zip(got.shape, like.shape, strict=True)) if a != b
+            ]
+            if all(like.shape[i] == V for i in differ):
+                raise RunFileError(
+                    self.run_dir / ckpt.TOKENIZER,
+                    f"has {V:,} symbols, but {weights} was trained with {got.shape[differ[0]]:,}: "
+                    "this tokenizer does not belong to these weights",
+                )
 
     @property
     def num_parameters(self) -> int:
