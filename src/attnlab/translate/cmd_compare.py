@@ -58,6 +58,8 @@ examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from attnlab.cli import device_name, positive_float, positive_int, seed_int
+
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     parser.add_argument(
@@ -77,14 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--time-budget",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="MIN",
         help="training minutes per variant (default 10 for bible, 2 for dates)",
     )
     parser.add_argument(
         "--cpu-budget",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="MIN",
         help="training minutes of CPU time per variant: fair on a machine shared with other "
@@ -92,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--epochs",
-        type=float,
+        type=positive_float,
         default=None,
         help="train each variant this many epochs instead of a time budget",
     )
@@ -102,11 +104,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="small",
         help="model size of every variant (default small)",
     )
-    parser.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
-    parser.add_argument("--beam-size", type=int, default=4, help="beam for the test translation")
+    parser.add_argument("--seed", type=seed_int, default=1, help="random seed (default 1)")
+    parser.add_argument(
+        "--beam-size", type=positive_int, default=4, help="beam for the test translation"
+    )
     parser.add_argument(
         "--eval-limit",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="score on the first N test pairs only",
@@ -122,8 +126,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep finished variants in --out, train only the missing ones",
     )
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads")
+    parser.add_argument(
+        "--device", type=device_name, default="auto", help="cpu, cuda, cuda:N or auto (default)"
+    )
+    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -207,6 +213,7 @@ def main(args: argparse.Namespace) -> int:
         build_config,
         log,
         pick_device,
+        place_data,
         read_results,
         resolve,
         train_run,
@@ -219,6 +226,12 @@ def main(args: argparse.Namespace) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    if not variants:
+        raise ValueError(
+            f"--variants {args.variants!r} names none; choose from {', '.join(VARIANTS)}"
+        )
+    if len(set(variants)) < len(variants):
+        raise ValueError(f"--variants {args.variants!r} names a variant twice; list each once")
     if sum(x is not None for x in (args.time_budget, args.epochs, args.cpu_budget)) > 1:
         raise ValueError(
             "give one of --time-budget, --cpu-budget and --epochs: the budget must be one thing"
@@ -237,11 +250,29 @@ def main(args: argparse.Namespace) -> int:
     if minutes is None and args.epochs is None and args.cpu_budget is None:
         minutes = 2.0 if task_name == "dates" else 10.0
     out = args.out or Path("runs") / f"compare-{task_name}"
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a folder")
     if out.exists() and any(out.iterdir()) and not args.resume:
         raise ValueError(
             f"{out} is not empty; pass --resume to reuse its finished variants, or "
             "choose another --out"
         )
+    # every variant's config is checked (model built on no memory) before anything is written
+    configs = {}
+    for variant in variants:
+        model, attention = variant.split("-", 1)
+        opts = resolve(
+            {
+                **base,
+                "model": model,
+                "attention": attention,
+                "epochs": args.epochs,
+                "cpu_budget": args.cpu_budget,
+            }
+        )
+        configs[variant] = build_config(opts)
+    # the same data for every variant, loaded once (bad data fails here, before --out is made)
+    task = load_task(configs[variants[0]]["task"])
     out.mkdir(parents=True, exist_ok=True)
 
     rows = []
@@ -256,7 +287,6 @@ def main(args: argparse.Namespace) -> int:
         f"Attention variants on {task_name}: {budget_text} each, size {args.size}, seed {args.seed}"
     )
     started_all = time.monotonic()
-    task = None
     for n, variant in enumerate(variants, 1):
         run_dir = out / variant
         done = read_results(run_dir)
@@ -265,28 +295,17 @@ def main(args: argparse.Namespace) -> int:
             rows.append(_row(variant, done))
             continue
         log(f"[{n}/{len(variants)}] {variant}: training ({budget_text})")
-        model, attention = variant.split("-", 1)
-        opts = resolve(
-            {
-                **base,
-                "model": model,
-                "attention": attention,
-                "epochs": args.epochs,
-                "cpu_budget": args.cpu_budget,
-            }
-        )
-        config = build_config(opts)
+        config = configs[variant]
         config["time_budget_minutes"] = None
         if minutes is not None:
             config["train"]["train_seconds"] = minutes * 60.0  # training only, same for all
         if run_dir.exists():
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True)
-        if task is None:  # the same data for every variant: loaded once
-            task = load_task(config["task"])
         if not shared_tokenizer.is_file():
             train_tokenizer(task, config).save(shared_tokenizer)
         shutil.copyfile(shared_tokenizer, run_dir / ckpt.TOKENIZER)
+        place_data(config, run_dir)  # a run folder reads its pairs from itself only
         ckpt.atomic_write_json(run_dir / ckpt.CONFIG, config)
         _, _, task, state, dist = train_run(
             run_dir,

@@ -21,6 +21,7 @@ reference translation. "referenced" scores only target words the reference links
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from attnlab.cli import positive_int
     from attnlab.translate.pipeline import add_run_arguments
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -32,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="test",
         help="held-out split (default test)",
     )
-    parser.add_argument("--limit", type=int, default=None, metavar="N", help="first N pairs only")
+    parser.add_argument(
+        "--limit", type=positive_int, default=None, metavar="N", help="first N pairs only"
+    )
     parser.add_argument("--no-aer", action="store_true", help="skip the alignment error rate")
     parser.add_argument("--json", action="store_true", help="print the scores as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -41,15 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from attnlab.translate.evaluation import evaluate, format_scores
     from attnlab.translate.pipeline import open_run
-    from attnlab.translate.tasks import load_task
+    from attnlab.translate.tasks import run_task
 
     translator = open_run(args)
-    try:
-        task = load_task(translator.config["task"])
-    except FileNotFoundError as e:
-        raise FileNotFoundError(
-            f"{e} (the run was trained on that file; put it back to evaluate)"
-        ) from None
+    # data only from the shipped tasks or the run folder, never a path config.json makes up
+    task = run_task(args.run_dir, translator.config["task"])
     res = evaluate(
         translator,
         task,

@@ -16,11 +16,13 @@ examples:
   attnlab translate runs/bible-rnn-luong-general "In the beginning God created the heaven."
   attnlab translate runs/dates-rnn-bahdanau "mardi 1 février 2005" --show-attention
   attnlab translate runs/bible-rnn-luong-general --input verses.txt --beam-size 5 > out.txt
+  attnlab translate runs/dates-rnn-luong-general --beam-size 1 "3 mars 1999"   # any order
   echo "And God said, Let there be light" | attnlab translate runs/bible-rnn-luong-general
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from attnlab.cli import positive_int
     from attnlab.translate.pipeline import add_run_arguments
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -37,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="read sentences from FILE, one per line",
     )
-    parser.add_argument("--batch-size", type=int, default=32, help="sentences decoded together")
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=32, help="sentences decoded together"
+    )
     parser.add_argument(
         "--show-attention",
         action="store_true",

@@ -8,6 +8,7 @@ Settings are resolved in this order (later wins): the task's defaults, the model
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -18,7 +19,7 @@ import torch
 
 from attnlab.translate import checkpoint as ckpt
 from attnlab.translate.models import build_model, count_parameters, model_config
-from attnlab.translate.tasks import load_task, task_spec
+from attnlab.translate.tasks import DATA_FILE, run_task, task_spec
 from attnlab.translate.tokenizer import Tokenizer
 from attnlab.translate.trainer import TrainOptions, fit, init_distributed
 
@@ -130,6 +131,22 @@ def resolve(options: dict) -> dict:
     merged.update(preset)
     merged.update(explicit)
     merged["task"], merged["model"] = task, model
+    # options that would be silently ignored are refused
+    if explicit.get("train_size") is not None and task != "dates":
+        raise ValueError(
+            f"--train-size {explicit['train_size']} applies to --task dates only (the {task} "
+            "task has fixed splits); drop it"
+        )
+    if explicit.get("vocab_size") is not None and merged.get("tokenizer") == "char":
+        raise ValueError(
+            f"--vocab-size {explicit['vocab_size']} applies to the BPE tokenizer, and this run "
+            "uses --tokenizer char (one symbol per character); drop --vocab-size or pass "
+            "--tokenizer bpe"
+        )
+    if explicit.get("tiny") and explicit.get("size") not in (None, "tiny"):
+        raise ValueError(
+            f"--tiny is --size tiny, and --size {explicit['size']} was given; pick one"
+        )
     by_count = "epochs" in explicit or "max_steps" in explicit or "cpu_budget" in explicit
     if by_count and "time_budget" not in explicit and "time_budget" not in preset:
         merged["time_budget"] = None  # --epochs / --max-steps alone: no clock
@@ -148,6 +165,11 @@ def build_config(o: dict) -> dict:
     )
     if o["model"] == "rnn" and o.get("kv_heads"):
         raise ValueError("--kv-heads (grouped-query attention) applies to --model transformer only")
+    if o["model"] == "rnn" and o.get("heads") and o.get("attention") != "multihead":
+        raise ValueError(
+            f"--heads {o['heads']} applies to --attention multihead (or --model transformer); "
+            f"the RNN's {o.get('attention') or 'default'} attention has one head: drop --heads"
+        )
     overrides = {k: o.get(k) for k in MODEL_OPTIONS}
     if overrides.get("enc_layers") is None and o.get("layers") is not None:
         overrides["enc_layers"] = o["layers"]
@@ -165,7 +187,8 @@ def build_config(o: dict) -> dict:
         train["epochs"] = o["epochs"]
     if o.get("cpu_budget") is not None:
         train["cpu_seconds"] = o["cpu_budget"] * 60.0
-    return {
+    train["checkpoint_seconds"] = 60.0 * (o.get("checkpoint_every") or CHECKPOINT_MINUTES)
+    config = {
         "attnlab_run": 1,
         "task": spec,
         "tokenizer": {"kind": o.get("tokenizer") or "bpe", "vocab_size": o.get("vocab_size", 8000)},
@@ -174,6 +197,80 @@ def build_config(o: dict) -> dict:
         "time_budget_minutes": o.get("time_budget"),
         "decode": {"beam_size": o.get("beam_size") or 4, "length_penalty": 0.6},
     }
+    check_config(config)
+    return config
+
+
+CHECKPOINT_MINUTES = 2.0  # default of --checkpoint-every
+# config key -> the option of `attnlab train` that sets it (for messages)
+OPTION_OF = {
+    "emb_dim": "--emb-dim",
+    "hidden": "--hidden",
+    "d_model": "--d-model",
+    "heads": "--heads",
+    "kv_heads": "--kv-heads",
+    "d_ff": "--d-ff",
+    "enc_layers": "--layers",
+    "dec_layers": "--layers",
+    "dropout": "--dropout",
+    "lr": "--lr",
+    "max_tokens": "--max-tokens",
+    "max_len": "--max-len",
+    "max_steps": "--max-steps",
+    "epochs": "--epochs",
+    "warmup": "--warmup",
+}
+
+
+def check_config(config: dict) -> None:
+    """Refuse a config that cannot train, before anything is written.
+
+    The numbers are checked one by one (the command line's own checks, again for callers that
+    build configs in Python), then the model is built on the ``meta`` device (shapes only, no
+    memory, no computation), so whatever its constructors refuse is refused here too.
+    """
+    m = config["model"]
+    for key, value in m.items():
+        if key in ("kind", "attention"):
+            continue
+        bad = value is None or isinstance(value, bool) or not isinstance(value, (int, float))
+        if not bad and key == "dropout":
+            bad = not 0 <= value < 1
+        elif not bad:
+            bad = not isinstance(value, int) or value < 1
+        if bad:
+            raise ValueError(
+                f"{OPTION_OF.get(key, key)} {value!r} is not a valid model setting; expected "
+                + ("a number in [0, 1)" if key == "dropout" else "an integer >= 1")
+            )
+    width_key = "d_model" if m["kind"] == "transformer" else "hidden"
+    if m["attention"] in ("multihead", "gqa") and m[width_key] % m["heads"]:
+        raise ValueError(
+            f"--heads {m['heads']} does not divide the model width "
+            f"({OPTION_OF[width_key]} {m[width_key]}): each head takes an equal share; pass "
+            f"--heads as a divisor of {m[width_key]}, or change {OPTION_OF[width_key]}"
+        )
+    if m.get("kv_heads") and m["heads"] % m["kv_heads"]:
+        raise ValueError(
+            f"--kv-heads {m['kv_heads']} does not divide --heads {m['heads']}: each key/value "
+            f"head serves an equal group of query heads; pass a divisor of {m['heads']}"
+        )
+    for key, value in config["train"].items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key in ("seed", "warmup"):
+            ok, want = isinstance(value, int) and number and value >= 0, "an integer >= 0"
+        elif key in ("label_smoothing", "weight_decay", "clip"):
+            ok, want = number and math.isfinite(value) and value >= 0, "a number >= 0"
+        else:
+            ok, want = number and math.isfinite(value) and value > 0, "a number > 0"
+        if not ok:
+            raise ValueError(f"{OPTION_OF.get(key, key)} {value!r} cannot train; expected {want}")
+    vocab = config["tokenizer"].get("vocab_size") or 512
+    try:
+        with torch.device("meta"):
+            build_model(m, vocab)
+    except (ValueError, TypeError, AssertionError, RuntimeError) as e:
+        raise ValueError(f"the model settings do not fit together: {e}") from None
 
 
 def default_run_dir(config: dict) -> Path:
@@ -181,18 +278,73 @@ def default_run_dir(config: dict) -> Path:
     return Path("runs") / f"{config['task']['name']}-{m['kind']}-{m['attention']}"
 
 
-RUN_FILES = (ckpt.CONFIG, ckpt.TOKENIZER, ckpt.WEIGHTS, ckpt.RESULTS, "train.log", "attention.png")
+RUN_FILES = (
+    ckpt.CONFIG,
+    ckpt.TOKENIZER,
+    ckpt.WEIGHTS,
+    ckpt.RESULTS,
+    "train.log",
+    "attention.png",
+    DATA_FILE,
+)
 
 
 def check_run_dir_free(run_dir: Path, *, force: bool) -> None:
     """Raise unless a new run may start in ``run_dir`` (read-only: every process calls it)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--out {run_dir} is a file; pass a folder")
     if (run_dir / ckpt.CONFIG).exists() and not force:
         raise ValueError(
             f"{run_dir} already holds a run; continue it with --resume, start it over with "
             "--force, or choose another --out"
         )
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ValueError(f"--out {run_dir} is a file; pass a folder")
+
+
+def place_data(config: dict, run_dir: Path) -> None:
+    """Copy a user's pairs file into the run folder and point ``config`` at the copy.
+
+    A run folder is self-contained: ``evaluate`` and ``--resume`` read the data from inside it
+    (:func:`attnlab.translate.tasks.run_task`), never from a path a config.json names.
+    """
+    spec = config["task"]
+    if spec.get("name") != "tsv" or spec.get("path") == DATA_FILE:
+        return
+    shutil.copyfile(spec["path"], run_dir / DATA_FILE)
+    spec["path"] = DATA_FILE
+
+
+def read_run_config(run_dir: str | os.PathLike[str]) -> dict:
+    """The config.json of a folder written by ``attnlab train``; one-line errors otherwise
+    (no folder, a file, a Hugging Face model folder, a damaged config)."""
+    path = Path(run_dir)
+    hint = "pass the folder that `attnlab train` wrote (it prints it at the end)"
+    if not path.exists():
+        raise ValueError(
+            f"run directory {str(path)!r} does not exist; train one with: "
+            f"attnlab train --out {path}"
+        )
+    if not path.is_dir():
+        raise ValueError(f"{str(path)!r} is a file, not a run directory; {hint}")
+    file = path / ckpt.CONFIG
+    if not file.is_file():
+        raise ValueError(f"{str(path)!r} is not a run directory (no {ckpt.CONFIG}); {hint}")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); {hint}") from None
+    if not isinstance(config, dict) or "attnlab_run" not in config:
+        what = (
+            "a Hugging Face model folder"
+            if isinstance(config, dict) and ("architectures" in config or "model_type" in config)
+            else "not a folder written by attnlab train"
+        )
+        raise ValueError(
+            f"{str(path)!r} is {what} (its {ckpt.CONFIG} has no 'attnlab_run'); {hint}"
+        )
+    for key in ("task", "model", "train", "tokenizer"):
+        if not isinstance(config.get(key), dict):
+            raise ValueError(f"{file}: the field {key!r} is missing or not an object; {hint}")
+    return config
 
 
 def prepare_run_dir(run_dir: Path, *, resume: bool, force: bool) -> None:
@@ -208,12 +360,26 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, force: bool) -> None:
 
 
 def pick_device(name: str | None) -> str:
+    """The torch device of ``--device`` (``auto``: cuda when there is one); one-line errors."""
+    from attnlab.cli import device_name
+
     if name in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
-    if name != "cpu" and not name.startswith("cuda"):
-        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto; got {name!r}")
+    try:
+        name = device_name(name)
+    except Exception as e:  # argparse.ArgumentTypeError, when called from Python
+        raise ValueError(f"--device: {e}") from None
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"--device {name}: no CUDA GPU is visible to torch here; use --device cpu"
+            )
+        index = int(name.split(":")[1]) if ":" in name else 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {name}: there are {torch.cuda.device_count()} CUDA GPU(s) here "
+                f"(cuda:0 to cuda:{torch.cuda.device_count() - 1}); pick one of them"
+            )
     return name
 
 
@@ -248,7 +414,7 @@ def train_run(
     threads = threads or default_threads()
     torch.set_num_threads(threads)
 
-    task = task or load_task(config["task"])
+    task = task or run_task(run_dir, config["task"])
     tok_path = run_dir / ckpt.TOKENIZER
     if dist.main and not tok_path.is_file():
         t0 = time.monotonic()
@@ -314,19 +480,26 @@ def train_tokenizer(task, config: dict) -> Tokenizer:
 
 def add_run_arguments(parser) -> None:
     """The options of the commands that use a trained run: RUN_DIR, beam, device, threads."""
+    from attnlab.cli import device_name, positive_int
+
     parser.add_argument(
         "run_dir", type=Path, metavar="RUN_DIR", help="a folder written by attnlab train"
     )
     parser.add_argument(
         "--beam-size",
         "-b",
-        type=int,
+        type=positive_int,
         default=None,
         help="beam width (1 = greedy; default: the run's, 4)",
     )
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument(
-        "--threads", type=int, default=None, help="CPU threads (default: the idle cores, >= 1)"
+        "--device", type=device_name, default="cpu", help="cpu (default), cuda or cuda:N"
+    )
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="CPU threads (default: the idle cores, >= 1)",
     )
 
 
@@ -338,8 +511,10 @@ def open_run(args):
         raise ValueError(
             f"--beam-size must be >= 1, got {args.beam_size}; fix: --beam-size 1 or more"
         )
+    device = pick_device(args.device)
+    read_run_config(args.run_dir)  # a run folder, not a model folder or a file
     torch.set_num_threads(args.threads or default_threads())
-    return load_run(args.run_dir, device=args.device)
+    return load_run(args.run_dir, device=device)
 
 
 def default_threads() -> int:

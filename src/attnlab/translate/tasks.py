@@ -25,6 +25,7 @@ from pathlib import Path
 from attnlab.data import Alignment, Pair
 
 TASKS = ("bible", "dates", "tsv")
+DATA_FILE = "data.tsv"  # a user's pairs, copied into the run folder by attnlab train
 HELD_OUT_SHARE = 0.05
 HELD_OUT_MAX = 1000
 
@@ -72,12 +73,17 @@ def load_task(spec: dict) -> Task:
     if name == "dates":
         from attnlab.data import load_dates
 
+        size = spec.get("train_size")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"--train-size must be an integer >= 1; got {size!r}")
         try:
-            train = load_dates("train", spec.get("train_size"))
+            train = load_dates("train", size)
         except ModuleNotFoundError as e:
             raise ValueError(
                 "the dates task needs Babel: pip install babel (or pip install attnlab[translate])"
             ) from e
+        except ValueError as e:  # more pairs than the split can draw
+            raise ValueError(f"--train-size {size}: {e}; pass a smaller number") from None
         validation, test = load_dates("validation"), load_dates("test")
         return Task(
             "dates",
@@ -92,6 +98,42 @@ def load_task(spec: dict) -> Task:
     if name == "tsv":
         return _tsv_task(spec["path"], skip_bad_lines=spec.get("skip_bad_lines", False))
     raise ValueError(f"unknown task {name!r}; expected one of {TASKS}")
+
+
+def run_task(run_dir: str | os.PathLike[str], spec: dict) -> Task:
+    """The task of a run folder's config.json, reading data only from where it may come from.
+
+    The embedded tasks (bible, dates) read attnlab's shipped data. A user's pairs are read from
+    the run folder itself (``attnlab train --data`` copies them there as ``data.tsv``): a
+    config.json that names any other path (``/etc/passwd``, ``../../secret``, a symbolic link
+    leading out of the folder) is refused without reading it.
+    """
+    run_dir = Path(run_dir)
+    config = run_dir / "config.json"
+    if not isinstance(spec, dict) or spec.get("name") not in TASKS:
+        name = spec.get("name") if isinstance(spec, dict) else spec
+        raise ValueError(f"{config}: task.name {name!r} is not one of {', '.join(TASKS)}")
+    if spec["name"] != "tsv":
+        return load_task(spec)
+    path = spec.get("path")
+    fix = (
+        f"the pairs must be a file inside the run folder: copy them to {run_dir / DATA_FILE} and "
+        f'set task.path to "{DATA_FILE}"'
+    )
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"{config}: task.path is missing; {fix}")
+    if Path(path).is_absolute():
+        raise ValueError(f"{config}: task.path {path!r} is outside the run folder; {fix}")
+    root = run_dir.resolve()
+    full = (root / path).resolve()  # symbolic links followed: where the bytes really are
+    if not full.is_relative_to(root):
+        raise ValueError(f"{config}: task.path {path!r} leads outside the run folder; {fix}")
+    if not full.is_file():
+        raise ValueError(
+            f"{config}: task.path {path!r}: no such file in the run folder (the run was trained "
+            f"on it; put it back to evaluate or resume)"
+        )
+    return load_task({**spec, "path": str(full)})
 
 
 def task_spec(task: str, data: str | None, skip_bad_lines: bool, train_size: int | None) -> dict:

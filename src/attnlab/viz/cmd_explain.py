@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -105,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-tokens",
-        type=int,
+        type=_at_least_two,
         default=DEFAULT_MAX_TOKENS,
         metavar="N",
         help="refuse longer texts (default: %(default)s; the explorer stays "
@@ -113,6 +114,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-html", action="store_true", help="skip explorer.html")
     parser.add_argument("--quiet", action="store_true", help="no progress messages")
+
+
+def _at_least_two(text: str) -> int:
+    from attnlab.cli import positive_int
+
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 2; got {text!r}")
+    return value
 
 
 def _user_error(message: str) -> Exception:
@@ -147,11 +157,55 @@ def _is_file(text: str) -> bool:
         return False
 
 
+def _looks_like_path(text: str) -> bool:
+    """A first argument meant as a folder: it exists, or it is one word with a path separator
+    (a sentence has spaces: "cats and/or dogs" is text)."""
+    if _is_dir(text) or _is_file(text):
+        return True
+    seps = {"/", os.sep} | ({os.altsep} if os.altsep else set())
+    return (
+        bool(text.strip()) and not any(c.isspace() for c in text) and any(c in text for c in seps)
+    )
+
+
+def _run_folder_problem(text: str) -> str | None:
+    """Why ``text`` is not a folder written by ``attnlab train`` (None when it is one)."""
+    path = Path(text)
+    if _is_file(text):
+        return f"{text!r} is a file, not a run folder"
+    if not _is_dir(text):
+        return f"no such run folder: {text!r}"
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return f"{text!r} is a folder but not a run folder (no readable config.json)"
+    if not isinstance(config, dict) or "attnlab_run" not in config:
+        return f"{text!r} is a folder but not a run folder (its config.json is not attnlab's)"
+    return None
+
+
 def _positionals(args: argparse.Namespace) -> None:
-    """Resolve ``TEXT`` / ``RUN_DIR [TEXT]`` into ``args.text`` and ``args.model``."""
+    """Resolve ``TEXT`` / ``RUN_DIR [TEXT]`` into ``args.text`` and ``args.model``.
+
+    A first argument that looks like a path must be a run folder: a mistyped path is refused,
+    never explained as if it were the sentence.
+    """
     words = list(args.text)
-    if args.model is None and words and _is_dir(words[0]):
-        args.model = words.pop(0)  # attnlab explain RUN_DIR [TEXT]
+    if words and _looks_like_path(words[0]):
+        problem = _run_folder_problem(words[0])
+        if args.model is None:
+            if problem:
+                raise _user_error(
+                    f"{problem}; pass the folder that attnlab train wrote, or to explain a "
+                    f'sentence, quote it: attnlab explain "{EXAMPLE}"'
+                )
+            args.model = words.pop(0)  # attnlab explain RUN_DIR [TEXT]
+        elif problem is None:
+            raise _user_error(
+                f"--model {args.model} and the run folder {words[0]!r} both name a model; pick "
+                f'one: attnlab explain {words[0]} ["TEXT"], or attnlab explain "TEXT" '
+                f"--model {args.model}"
+            )
     if args.model is None:
         args.model = "minilm"
     if len(words) > 1:
@@ -215,13 +269,14 @@ def _model_kind(model: str) -> str:
         return "pretrained"
     if not model.strip():
         raise _user_error(f"--model is empty; pass one of {', '.join(MODELS)} or a run directory")
-    if _is_dir(model):
+    if _is_dir(model) or _is_file(model):
+        problem = _run_folder_problem(model)
+        if problem:
+            raise _user_error(
+                f"--model: {problem}; pass the folder that attnlab train wrote, or one of "
+                + ", ".join(MODELS)
+            )
         return "run"
-    if _is_file(model):
-        raise _user_error(
-            f"--model {model!r} is a file, not a translation run directory; pass "
-            "the folder that attnlab train wrote, or one of " + ", ".join(MODELS)
-        )
     raise _user_error(
         f"unknown model {model!r}; expected one of {', '.join(MODELS)} or a "
         "translation run directory"
