@@ -25,11 +25,20 @@ examples:
   attnlab train --preset bible-long               # the long recipe (hours on 2 CPU cores)
   attnlab train --data pairs.tsv --skip-bad-lines # your own source<TAB>target pairs
   attnlab train --out runs/x --resume             # continue an interrupted run (Ctrl-C saves)
+  attnlab train --out runs/x --resume --more-minutes 10   # train a finished run 10 min more
   torchrun --nproc-per-node 2 -m attnlab.cli train --epochs 1   # distributed (gloo / NCCL)
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from attnlab.cli import (
+        device_name,
+        fraction,
+        non_negative_int,
+        positive_float,
+        positive_int,
+        seed_int,
+    )
     from attnlab.translate.pipeline import PRESETS
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -46,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data",
         metavar="FILE",
         default=None,
-        help="your own pairs: UTF-8 text, one 'source<TAB>target' per line",
+        help="your own pairs: UTF-8 text, one 'source<TAB>target' per line (copied into the "
+        "run folder as data.tsv)",
     )
     g.add_argument(
         "--skip-bad-lines",
@@ -56,8 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--train-size",
-        type=int,
+        type=positive_int,
         default=None,
+        metavar="N",
         help="dates: number of training pairs (default 20000)",
     )
     g.add_argument(
@@ -66,7 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="subword BPE (default; char for dates)",
     )
-    g.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (default 8000)")
+    g.add_argument(
+        "--vocab-size", type=positive_int, default=None, help="BPE vocabulary (default 8000)"
+    )
     g = parser.add_argument_group("model")
     g.add_argument(
         "--preset",
@@ -96,49 +109,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a tiny model (same as --size tiny): smoke tests",
     )
     for name, kind, text in (
-        ("--emb-dim", int, "RNN embedding width"),
-        ("--hidden", int, "RNN hidden width"),
-        ("--d-model", int, "Transformer width"),
-        ("--heads", int, "attention heads (Transformer; RNN multihead)"),
-        ("--kv-heads", int, "Transformer key/value heads (< heads: grouped-query attention)"),
-        ("--d-ff", int, "Transformer feed-forward width"),
-        ("--layers", int, "encoder (and Transformer decoder) layers"),
-        ("--dropout", float, "dropout"),
+        ("--emb-dim", positive_int, "RNN embedding width"),
+        ("--hidden", positive_int, "RNN hidden width"),
+        ("--d-model", positive_int, "Transformer width"),
+        ("--heads", positive_int, "attention heads (Transformer; RNN multihead)"),
+        (
+            "--kv-heads",
+            positive_int,
+            "Transformer key/value heads (< heads: grouped-query attention)",
+        ),
+        ("--d-ff", positive_int, "Transformer feed-forward width"),
+        ("--layers", positive_int, "encoder (and Transformer decoder) layers"),
+        ("--dropout", fraction, "dropout, in [0, 1)"),
     ):
         g.add_argument(name, type=kind, default=None, help=text)
     g = parser.add_argument_group("budget and optimisation")
     g.add_argument(
         "--time-budget",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="MIN",
         help="wall-clock minutes for the whole command, evaluation included "
-        "(default 15 for bible, 4 for dates)",
+        "(default 15 for bible, 4 for dates); with --resume use --more-minutes",
     )
     g.add_argument(
-        "--epochs", type=float, default=None, help="train this many epochs (alone: no time budget)"
+        "--epochs",
+        type=positive_float,
+        default=None,
+        help="train this many epochs (alone: no time budget)",
     )
-    g.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    g.add_argument(
+        "--max-steps", type=positive_int, default=None, help="stop after this many steps"
+    )
     g.add_argument(
         "--cpu-budget",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="MIN",
         help="minutes of this process's CPU time for training (alone: no clock budget); "
         "the same work whatever else runs on the machine",
     )
-    g.add_argument("--lr", type=float, default=None, help="peak learning rate")
-    g.add_argument("--warmup", type=int, default=None, help="warm-up steps")
+    g.add_argument("--lr", type=positive_float, default=None, help="peak learning rate")
+    g.add_argument("--warmup", type=non_negative_int, default=None, help="warm-up steps")
     g.add_argument(
-        "--max-tokens", type=int, default=None, help="tokens per batch (padding included)"
+        "--max-tokens",
+        type=positive_int,
+        default=None,
+        help="tokens per batch (padding included)",
     )
     g.add_argument(
         "--max-len",
-        type=int,
+        type=positive_int,
         default=None,
         help="leave out training pairs longer than this many tokens (default 128)",
     )
-    g.add_argument("--seed", type=int, default=None, help="random seed (default 1)")
+    g.add_argument("--seed", type=seed_int, default=None, help="random seed (default 1)")
     g = parser.add_argument_group("run")
     g.add_argument(
         "--out",
@@ -148,17 +173,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run directory (default runs/<task>-<model>-<attention>)",
     )
     g.add_argument(
-        "--resume", action="store_true", help="continue the run in --out from its last checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its last checkpoint (to its saved budget, or "
+        "for --more-minutes / --more-epochs / --more-steps)",
+    )
+    g.add_argument(
+        "--more-minutes",
+        type=positive_float,
+        default=None,
+        metavar="MIN",
+        help="with --resume: train MIN more minutes than the checkpoint has (training only)",
+    )
+    g.add_argument(
+        "--more-epochs",
+        type=positive_float,
+        default=None,
+        metavar="N",
+        help="with --resume: train N more epochs than the checkpoint has",
+    )
+    g.add_argument(
+        "--more-steps",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --resume: train N more steps than the checkpoint has",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=positive_float,
+        default=None,
+        metavar="MIN",
+        help="minutes of training between checkpoints (default 2): a crash loses at most this",
     )
     g.add_argument("--force", action="store_true", help="overwrite an existing run in --out")
-    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     g.add_argument(
-        "--threads", type=int, default=None, help="CPU threads (default: the cores idle now, >= 1)"
+        "--device",
+        type=device_name,
+        default="auto",
+        help="cpu, cuda, cuda:N or auto (default)",
     )
-    g.add_argument("--beam-size", type=int, default=None, help="beam for the test translation (4)")
+    g.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="CPU threads (default: the cores idle now, >= 1)",
+    )
+    g.add_argument(
+        "--beam-size", type=positive_int, default=None, help="beam for the test translation (4)"
+    )
     g.add_argument(
         "--eval-limit",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="evaluate on the first N test pairs only",
@@ -197,8 +263,119 @@ def options_from_args(args: argparse.Namespace) -> dict:
         "max_len",
         "seed",
         "beam_size",
+        "checkpoint_every",
     )
     return {k: getattr(args, k, None) for k in keys}
+
+
+# Budgets of a new run; with --resume the --more-* options say how much to add.
+TOTAL_BUDGETS = ("time_budget", "epochs", "max_steps", "cpu_budget")
+MORE_BUDGETS = ("more_minutes", "more_epochs", "more_steps")
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def check_budget_options(args: argparse.Namespace) -> None:
+    """Refuse budget options that would do nothing, or something else than they seem to."""
+    more = [k for k in MORE_BUDGETS if getattr(args, k, None) is not None]
+    if more and not args.resume:
+        raise ValueError(
+            f"{_flag(more[0])} adds to a run that already trained: pass --resume --out RUN_DIR "
+            f"too, or give a new run its budget with --time-budget / --epochs / --max-steps"
+        )
+    if args.resume and args.time_budget is not None:
+        raise ValueError(
+            f"--time-budget {args.time_budget:g} with --resume is ambiguous (the total of all "
+            f"sessions, or more?); to train {args.time_budget:g} more minutes pass "
+            f"--more-minutes {args.time_budget:g}"
+        )
+
+
+def done_so_far(state: dict) -> dict:
+    """What a checkpoint's ``state.json`` says was trained: steps, seconds, CPU seconds, epochs.
+
+    The exact epoch fraction is in the last validation record when it was taken at the
+    checkpoint's step (always so at the end of a session); otherwise whole epochs are counted.
+    """
+    history = state.get("history") or []
+    epochs = float(state.get("epoch", 0))
+    if history and history[-1].get("step") == state.get("step"):
+        epochs = float(history[-1].get("epoch", epochs))
+    return {
+        "steps": int(state.get("step", 0)),
+        "seconds": float(state.get("elapsed", 0.0)),
+        "cpu_seconds": float(state.get("cpu_seconds", 0.0)),
+        "epochs": epochs,
+    }
+
+
+def budget_reached(train: dict, done: dict) -> str | None:
+    """Which of the saved budgets the checkpoint has used up (None: training is unfinished)."""
+    if train.get("max_steps") and done["steps"] >= train["max_steps"]:
+        return f"{train['max_steps']} steps"
+    if train.get("epochs") and done["epochs"] >= train["epochs"] - 1e-6:
+        return f"{train['epochs']:g} epoch(s)"
+    if train.get("train_seconds") and done["seconds"] >= train["train_seconds"]:
+        return f"{train['train_seconds'] / 60:.2f} minutes of training"
+    if train.get("cpu_seconds") and done["cpu_seconds"] >= train["cpu_seconds"]:
+        return f"{train['cpu_seconds'] / 60:.2f} CPU-minutes of training"
+    return None
+
+
+def resume_budget(args: argparse.Namespace, config: dict, done: dict, run_dir: Path) -> bool:
+    """Set the budget of a resumed run in ``config``; True when the options gave a new one.
+
+    ``--more-*`` count from the checkpoint; ``--max-steps``, ``--epochs`` and ``--cpu-budget``
+    are totals of all sessions and must exceed what was done. A new budget replaces the saved
+    one (and the whole-command clock of the first session). Without one, the saved budget
+    stands, and a run that used it up is refused: resuming it would add nothing.
+    """
+    train = config["train"]
+    new = {}
+    if args.more_minutes is not None:
+        new["train_seconds"] = done["seconds"] + args.more_minutes * 60.0
+    if args.more_epochs is not None:
+        new["epochs"] = done["epochs"] + args.more_epochs
+    if args.more_steps is not None:
+        new["max_steps"] = done["steps"] + args.more_steps
+    totals = (
+        ("max_steps", args.max_steps, done["steps"], "steps", "--more-steps N"),
+        ("epochs", args.epochs, done["epochs"], "epochs", "--more-epochs N"),
+        (
+            "cpu_seconds",
+            None if args.cpu_budget is None else args.cpu_budget * 60.0,
+            done["cpu_seconds"],
+            "CPU seconds",
+            "--more-minutes MIN",
+        ),
+    )
+    for key, value, already, unit, more in totals:
+        if value is None:
+            continue
+        if value <= already + 1e-9:
+            flag = "--cpu-budget" if key == "cpu_seconds" else _flag(key)
+            given = args.cpu_budget if key == "cpu_seconds" else value
+            raise ValueError(
+                f"{flag} {given:g} is a total, and the checkpoint in {run_dir} has already "
+                f"trained {already:g} {unit}: it would add nothing; to train more pass {more}"
+            )
+        new[key] = value
+    if not new:
+        reached = budget_reached(train, done)
+        if reached:
+            raise ValueError(
+                f"{run_dir} has already trained its whole budget ({reached}, step "
+                f"{done['steps']}); to train longer pass --more-minutes MIN, --more-epochs N "
+                "or --more-steps N"
+            )
+        return False
+    for key in ("train_seconds", "epochs", "max_steps", "cpu_seconds"):
+        train.pop(key, None)
+    train.update(new)
+    config["time_budget_minutes"] = None  # the first session's whole-command clock is over
+    return True
 
 
 def main(args: argparse.Namespace) -> int:
@@ -209,15 +386,22 @@ def main(args: argparse.Namespace) -> int:
         check_run_dir_free,
         default_run_dir,
         pick_device,
+        place_data,
         prepare_run_dir,
+        read_run_config,
         resolve,
         train_run,
     )
     from attnlab.translate.pipeline import log as log_all
-    from attnlab.translate.run import read_config
-    from attnlab.translate.tasks import load_task
+    from attnlab.translate.tasks import load_task, run_task
     from attnlab.translate.trainer import init_distributed
 
+    check_budget_options(args)
+    if args.resume:
+        if args.out is None:
+            raise ValueError("--resume needs the run to continue: --resume --out RUN_DIR")
+        if args.force:
+            raise ValueError("--resume continues a run and --force starts it over; pick one")
     device = pick_device(args.device)
     # Under torchrun every process runs this; only process 0 writes the run directory.
     dist = init_distributed(device)
@@ -233,52 +417,70 @@ def main(args: argparse.Namespace) -> int:
             torch.distributed.barrier()
 
     task = None
+    start_step = 0
+    new_budget = False
     if args.resume:
-        if args.out is None:
-            raise ValueError("--resume needs the run to continue: --resume --out RUN_DIR")
-        if args.force:
-            raise ValueError("--resume continues a run and --force starts it over; pick one")
-        config = read_config(args.out)
+        run_dir = Path(args.out)
+        config = read_run_config(run_dir)
+        task = run_task(run_dir, config["task"])  # data from the run folder or attnlab only
         given = [
             k
             for k, v in options_from_args(args).items()
-            if v is not None
-            and k not in ("time_budget", "epochs", "max_steps", "cpu_budget", "beam_size")
+            if v is not None and k not in (*TOTAL_BUDGETS, "beam_size", "checkpoint_every")
         ]
         if given:
             log(f"note: --resume uses the run's saved settings; ignoring {', '.join(given)}")
-        if args.time_budget is not None:  # a new total budget: recompute the training share
-            config["time_budget_minutes"] = args.time_budget
-            config["train"].pop("train_seconds", None)
-        for key in ("epochs", "max_steps"):
-            if getattr(args, key) is not None:
-                config["train"][key] = getattr(args, key)
-        if args.cpu_budget is not None:
-            config["train"]["cpu_seconds"] = args.cpu_budget * 60.0
+        if args.checkpoint_every is not None:
+            config["train"]["checkpoint_seconds"] = args.checkpoint_every * 60.0
         if args.beam_size:
             config.setdefault("decode", {})["beam_size"] = args.beam_size
-        run_dir = args.out
-        if ckpt.latest_checkpoint(run_dir) is None:
+        latest = ckpt.latest_checkpoint(run_dir)
+        if latest is None:
             log(f"note: {run_dir} has no checkpoint yet; starting its training from the beginning")
             args.resume = False
-        if config.get("time_budget_minutes") and "train_seconds" in config["train"]:
+            done = done_so_far({})
+        else:
+            import json
+
+            done = done_so_far(json.loads((latest / "state.json").read_text(encoding="utf-8")))
+        new_budget = resume_budget(args, config, done, run_dir)
+        start_step = done["steps"]
+        if (
+            not new_budget
+            and config.get("time_budget_minutes")
+            and "train_seconds" in config["train"]
+        ):
             started = time.monotonic()  # the saved training share already excludes set-up
     else:
         opts = resolve(options_from_args(args))
-        config = build_config(opts)
+        config = build_config(opts)  # every setting checked, the model built on no memory
         task = load_task(config["task"])  # bad data fails here, before a run dir is made
         run_dir = Path(args.out or default_run_dir(config))
         check_run_dir_free(run_dir, force=args.force)  # every process, before any is changed
         barrier()
         if dist.main:
             prepare_run_dir(run_dir, resume=False, force=args.force)
-    run_dir = Path(run_dir)
+            place_data(config, run_dir)
     if dist.main:
         ckpt.atomic_write_json(run_dir / ckpt.CONFIG, config)
     barrier()
     budget = config.get("time_budget_minutes")
     deadline = started + budget * 60 if budget else None
     log(f"run directory: {run_dir}")
+    resumed = args.resume
+    if resumed:
+        train = config["train"]
+        target = ", ".join(
+            text
+            for key, text in (
+                ("max_steps", f"step {train.get('max_steps')}"),
+                ("epochs", f"epoch {train.get('epochs', 0):g}"),
+                ("train_seconds", f"{train.get('train_seconds', 0) / 60:.2f} min of training"),
+                ("cpu_seconds", f"{train.get('cpu_seconds', 0) / 60:.2f} CPU-min"),
+            )
+            if train.get(key)
+        )
+        log(f"resuming at step {start_step}; training until the first of: {target}")
     model, tokenizer, task, state, dist = train_run(
         run_dir,
         config,
@@ -297,6 +499,12 @@ def main(args: argparse.Namespace) -> int:
             f"  attnlab train --out {run_dir} --resume"
         )
         return 130
+    if resumed:
+        added = state.step - start_step
+        log(
+            f"resume added {added} step(s): step {start_step} -> {state.step}"
+            + ("" if added else " (warning: nothing was trained; see the budget above)")
+        )
     from attnlab.translate.report import final_report
 
     final_report(
