@@ -596,20 +596,20 @@ def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
 
 
 def clean_checkpoints(run_dir: str | os.PathLike[str]) -> None:
-    """Remove what a crash can leave behind: temporary files and folders (``.*.tmp``) in the run
-    directory and its checkpoint folder, and checkpoint folders without a manifest (half
-    written or half deleted) that are not the one ``LATEST`` names. Complete checkpoints, even
-    damaged ones, are left alone."""
+    """Remove what a crash can leave behind: temporary files and folders (``.*.tmp``) of the
+    checkpoint folder and of the run files training writes, and checkpoint folders without a
+    manifest (half written or half deleted) that are not the one ``LATEST`` names. Complete
+    checkpoints, even damaged ones, are left alone."""
     run_dir = Path(run_dir)
     root = run_dir / CHECKPOINTS
-    for parent in (run_dir, root):
-        if not parent.is_dir():
-            continue
-        for leftover in parent.glob(".*.tmp"):
-            if leftover.is_dir():
-                shutil.rmtree(leftover, ignore_errors=True)
-            else:
-                leftover.unlink(missing_ok=True)
+    leftovers = list(root.glob(".*.tmp")) if root.is_dir() else []
+    for name in (CONFIG, TOKENIZER, WEIGHTS, RESULTS, TRAIN_LOG):  # not others' files in RUN_DIR
+        leftovers += run_dir.glob(f".{name}.*.tmp")
+    for leftover in leftovers:
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
     if not root.is_dir():
         return
     keep = set(checkpoint_folders(run_dir))

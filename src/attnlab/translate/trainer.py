@@ -17,7 +17,9 @@ torch / Python / NumPy random states; one is written every ``checkpoint_seconds`
 run continue exactly as the uninterrupted one: the same batches, the same dropout masks,
 bit-identical parameters.
 Ctrl-C (SIGINT) or SIGTERM finishes the current step, saves a checkpoint and stops; a second
-Ctrl-C stops at once (the last checkpoint is still intact: checkpoints are written atomically).
+Ctrl-C stops at once. A ``kill -9`` or a power cut at any instant loses only the steps after the
+last complete checkpoint (:mod:`attnlab.translate.checkpoint` says why). On resume, ``train.log``
+is rewritten to the validations the checkpoint knows, so none of the lost stretch remains.
 
 **Distributed.** Under ``torchrun`` (``WORLD_SIZE > 1``) the model is wrapped in
 ``DistributedDataParallel`` (gloo on CPU, NCCL on GPU). All processes build the same batches;
