@@ -368,3 +368,12 @@ def test_cached_decode_step_compiles_fullgraph(cache_kind):
         got = decode(step, make())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert math.isfinite(float(got.abs().sum()))
+
+
+def test_input_of_another_dtype_than_the_layer_is_a_clear_error():
+    # before: a RuntimeError from inside the projection
+    layer = MultiHeadAttention(16, 4)
+    with pytest.raises(TypeError, match=r"query is torch.float16 but the layer's weights are"):
+        layer(torch.randn(2, 3, 16).half())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed precision stays allowed
+        assert layer(torch.randn(2, 3, 16)).dtype == torch.bfloat16

@@ -170,6 +170,7 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_weights: bool | str = False,
+    weights_out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention with grouped-query heads, masks, dropout and weights.
 
@@ -200,6 +201,10 @@ def scaled_dot_product_attention(
             ``"average"`` averaged over the heads (B, L, S). With dropout they are the dropped
             weights that produced the output. Under ``torch.no_grad()`` they are computed at
             bounded extra memory while the output keeps the fused kernel (see :func:`explain`).
+        weights_out: a contiguous tensor of the returned weights' shape and the inputs' dtype
+            and device, into which the weights are written (and which is returned): reuse one
+            across calls to spare the page faults of a fresh (B, H, L, S) result. Inference
+            only (under ``torch.no_grad()``, no dropout).
 
     Returns:
         The (B, H, L, Ev) output, or ``(output, weights)`` if ``return_weights``.
@@ -237,6 +242,9 @@ def scaled_dot_product_attention(
         check_bias_range(attn_mask, query.dtype)
         attn_mask = plain(attn_mask)  # a masks.Mask is a bool tensor that prints as a picture
     q, k, v, mask, restore = as_4d(query, key, value, attn_mask)
+    buffer = None  # the caller's weights_out, as a (B, H or 1, L, S) view
+    if weights_out is not None:
+        buffer = _check_weights_out(weights_out, query, q, S, return_weights, dropout_p)
     if scale is None:  # E = 0: every score is 0 whatever the scale (torch: the mean of values)
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
     if q.shape[1] == 0:  # H = 0 (and Hkv = 0): no heads, nothing to compute
@@ -254,7 +262,7 @@ def scaled_dot_product_attention(
         out = _fused(q, k, v, mask, alignment, scale, dropout_p)
     elif decision.path == "weights":
         out, weights = _weights_in_blocks(
-            q, k, v, mask, alignment, scale, return_weights == "average"
+            q, k, v, mask, alignment, scale, return_weights == "average", buffer
         )
     else:
         out, weights = _eager(q, k, v, mask, alignment, scale, dropout_p)
@@ -267,9 +275,15 @@ def scaled_dot_product_attention(
     else:  # a fresh result nobody else holds: no second copy
         out.masked_fill_(bad, float("nan"))
     if return_weights:
-        weights = weights.masked_fill(
-            bad.any(1, keepdim=True) if weights.shape[1] == 1 else bad, float("nan")
-        )
+        bad_w = bad.any(1, keepdim=True) if weights.shape[1] == 1 else bad
+        if weights.requires_grad:
+            weights = weights.masked_fill(bad_w, float("nan"))
+        else:
+            weights.masked_fill_(bad_w, float("nan"))
+    if buffer is not None:
+        if weights is not buffer:  # (an empty dimension took the eager path)
+            buffer.copy_(weights)
+        return _finish(out, None, False, restore, query.dim()), weights_out
     return _finish(out, weights, return_weights, restore, query.dim())
 
 
@@ -293,8 +307,43 @@ def _eager(q, k, v, mask, alignment, scale, dropout_p):
     return grouped_weighted_sum(weights, v), weights  # (B, H, L, Ev), (B, H, L, S)
 
 
+def _check_weights_out(buffer, query, q, S, return_weights, dropout_p) -> torch.Tensor:
+    """Validate a caller's weights buffer; return it as a (B, H or 1, L, S) view."""
+    B, H, L, _ = q.shape
+    heads = 1 if return_weights == "average" else H
+    shape = (*query.shape[:-3], L, S) if heads == 1 and query.dim() >= 4 else (*query.shape[:-1], S)
+    if not return_weights:
+        raise ValueError("weights_out is only used with return_weights=True or 'average'.")
+    if dropout_p > 0 or _needs_grad(query):
+        raise ValueError(
+            "weights_out is for inference: with dropout or autograd the weights are a new "
+            "tensor of the graph. Fix: call under torch.no_grad() with dropout_p=0, or drop "
+            "weights_out."
+        )
+    if (
+        not isinstance(buffer, torch.Tensor)
+        or buffer.shape != shape
+        or (
+            buffer.dtype != query.dtype
+            or buffer.device != query.device
+            or not buffer.is_contiguous()
+        )
+    ):
+        got = (
+            (tuple(buffer.shape), buffer.dtype, str(buffer.device))
+            if isinstance(buffer, torch.Tensor)
+            else type(buffer).__name__
+        )
+        raise ValueError(
+            f"weights_out must be a contiguous {query.dtype} tensor of shape {shape} on "
+            f"{query.device}; got {got}. Fix: allocate it once with "
+            f"torch.empty({shape}, dtype={query.dtype}) and pass it at every call."
+        )
+    return buffer.view(B, heads, L, S)
+
+
 @torch.no_grad()
-def _weights_in_blocks(q, k, v, mask, alignment, scale, average):
+def _weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None):
     """Output and weights together, one block of the (B, H, L, S) scores at a time.
 
     A block is several whole heads of one batch row, or a range of query rows of one head:
@@ -307,7 +356,10 @@ def _weights_in_blocks(q, k, v, mask, alignment, scale, average):
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
     G = H // Hkv
     out = q.new_empty(B, H, L, Ev)
-    weights = q.new_zeros(B, 1, L, S) if average else q.new_empty(B, H, L, S)
+    if weights is None:
+        weights = q.new_zeros(B, 1, L, S) if average else q.new_empty(B, H, L, S)
+    elif average:
+        weights.zero_()  # the blocks add into it
     heads, rows = _block_shape(H, L, S, q.element_size())
     scratch = q.new_empty(heads, rows, S) if average else None
     m4 = None if mask is None else mask.expand(B, H, L, S)  # a view: nothing is copied

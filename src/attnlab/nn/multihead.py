@@ -132,8 +132,8 @@ class MultiHeadAttention(nn.Module):
         ``kv=`` at every decoder step instead of recomputing the projections.
         """
         value = key if value is None else value
-        _check_width("key", key, self.kdim)
-        _check_width("value", value, self.vdim)
+        _check_width("key", key, self.kdim, self.q_proj.weight.dtype)
+        _check_width("value", value, self.vdim, self.q_proj.weight.dtype)
         B, S, _ = key.shape
         k = self.k_proj(key).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(value).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -192,7 +192,7 @@ class MultiHeadAttention(nn.Module):
                 f"build one with attnlab.cache.DynamicCache() (Hugging Face caches belong to "
                 f"Hugging Face models; attnlab.integrations.transformers runs those)."
             )
-        _check_width("query", query, self.d_model)
+        _check_width("query", query, self.d_model, self.q_proj.weight.dtype)
         B, L, _ = query.shape
         q = self.q_proj(query).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
         self_attention = key is None and kv is None  # (B, L, H*E) -> (B, H, L, E) above
@@ -351,8 +351,13 @@ def _combine(allowed, mask, key_mask, B, S):
     return restrict(mask, allowed)
 
 
-def _check_width(name: str, x: torch.Tensor, width: int) -> None:
+def _check_width(name: str, x: torch.Tensor, width: int, dtype: torch.dtype) -> None:
     check_floating(name, x)
+    if x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(
+            f"{name} is {x.dtype} but the layer's weights are {dtype}. Fix: convert one of "
+            f"them ({name}.to({dtype}) or layer.to({x.dtype})), or run under torch.autocast."
+        )
     if x.dim() != 3 or x.shape[-1] != width:
         raise ValueError(
             f"{name} must be (B, L, {width}) (batch, length, features); got {tuple(x.shape)}. "
