@@ -244,6 +244,18 @@ def test_load_run_and_checkpoints_raise_one_value_error_naming_the_file(run_copy
         ckpt.read_checkpoint_state(folder)
 
 
+def test_sizes_are_checked_before_memory_is_allocated(run_copy):
+    config = json.loads((run_copy / C).read_text())
+    config["model"].update(hidden=512)  # wider than the weights: refused before building it
+    (run_copy / C).write_text(json.dumps(config))
+    with pytest.raises(ckpt.RunFileError, match=r"model\.safetensors: holds .* needs"):
+        load_run(run_copy)
+    config["model"].update(hidden=65536, emb_dim=65536)  # ~10^10 parameters: not even tried
+    (run_copy / C).write_text(json.dumps(config))
+    with pytest.raises(ckpt.RunFileError, match=r"config\.json: .* parameters"):
+        load_run(run_copy)
+
+
 def test_bpe_tokenizer_with_other_special_ids_is_refused(tmp_path):
     tok = Tokenizer.train(["the cat sat on the mat"] * 10, "bpe", vocab_size=60)
     path = tmp_path / T

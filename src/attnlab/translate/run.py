@@ -65,6 +65,7 @@ def check_run_dir(run_dir: str | os.PathLike[str]) -> Path:
 
 
 CONFIG_SECTIONS = ("task", "tokenizer", "model", "train")
+MAX_PARAMETERS = 2_000_000_000
 MODEL_INTS = (
     "emb_dim",
     "hidden",
@@ -133,9 +134,25 @@ def _check_model_section(model: dict, path: Path) -> None:
         raise RunFileError(path, f"'model' 'dropout' must be a number in [0, 1), got {dropout!r}")
     try:
         with torch.device("meta"):
-            build_model(model, len(SPECIALS) + 1)
+            probe = build_model(model, len(SPECIALS) + 1)
     except Exception as e:  # noqa: BLE001 - whatever the constructors reject
         raise RunFileError(path, f"its 'model' section does not build a model ({e})") from None
+    if count_parameters(probe) > MAX_PARAMETERS:
+        raise RunFileError(
+            path,
+            f"its 'model' section describes {count_parameters(probe):,} parameters, more than "
+            f"the {MAX_PARAMETERS:,} of any model attnlab trains",
+        )
+
+
+def _weights_bytes(config: dict, vocab_size: int) -> int:
+    """Bytes of the saved weights of the model ``config`` describes (built on the meta device;
+    tied weights once, buffers that are saved included)."""
+    with torch.device("meta"):
+        probe = build_model(config, vocab_size)
+    saved = set(probe.state_dict())
+    tensors = [*probe.parameters(), *(b for n, b in probe.named_buffers() if n in saved)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class Translator:
@@ -162,7 +179,6 @@ class Translator:
                 f"{self.config['tokenizer']['kind']}",
             )
         self.device = torch.device(device)
-        self.model = build_model(self.config["model"], self.tokenizer.vocab_size)
         weights = self.run_dir / ckpt.WEIGHTS
         if not weights.is_file():
             latest = ckpt.latest_checkpoint(self.run_dir)
@@ -173,6 +189,15 @@ class Translator:
                 )
             weights = latest / ckpt.WEIGHTS  # an interrupted run: use its last checkpoint
         tensors = ckpt.load_tensors(weights)
+        need = _weights_bytes(self.config["model"], self.tokenizer.vocab_size)
+        have = sum(t.numel() * t.element_size() for t in tensors.values())
+        if need > have:  # before allocating a model that these weights cannot fill
+            raise RunFileError(
+                weights,
+                f"holds {have:,} bytes of tensors; the model that {ckpt.CONFIG} and "
+                f"{ckpt.TOKENIZER} describe needs {need:,}",
+            )
+        self.model = build_model(self.config["model"], self.tokenizer.vocab_size)
         self._check_vocabulary(tensors, weights)
         ckpt.load_model_state(self.model, tensors, weights)
         self.model.to(self.device).eval()
