@@ -136,12 +136,13 @@ def _check_model_section(model: dict, path: Path) -> None:
         with torch.device("meta"):
             probe = build_model(model, len(SPECIALS) + 1)
     except Exception as e:  # noqa: BLE001 - whatever the constructors reject
-        raise RunFileError(path, f"its 'model' section does not build a model ({e})") from None
+        reason = " ".join(str(e).split())
+        raise RunFileError(path, f"its 'model' section does not build a model ({reason})") from None
     if count_parameters(probe) > MAX_PARAMETERS:
         raise RunFileError(
             path,
-            f"its 'model' section describes {count_parameters(probe):,} parameters, more than "
-            f"the {MAX_PARAMETERS:,} of any model attnlab trains",
+            f"its 'model' section describes {count_parameters(probe):,} parameters, over the "
+            f"limit of {MAX_PARAMETERS:,}",
         )
 
 
