@@ -320,7 +320,7 @@ def test_explain_refuses_a_mistyped_run_path(tmp_path, capsys):
     not_a_run.mkdir()
     code, _, err = attnlab(capsys, "explain", not_a_run, "--out", tmp_path / "x")
     assert code == 2
-    assert "not a run folder" in one_line_error(err)
+    assert "is not a run directory (no readable config.json)" in one_line_error(err)
     assert not (tmp_path / "x").exists()
 
 

@@ -172,15 +172,15 @@ def _run_folder_problem(text: str) -> str | None:
     """Why ``text`` is not a folder written by ``attnlab train`` (None when it is one)."""
     path = Path(text)
     if _is_file(text):
-        return f"{text!r} is a file, not a run folder"
+        return f"{text!r} is a file, not a translation run directory"
     if not _is_dir(text):
         return f"no such run folder: {text!r}"
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return f"{text!r} is a folder but not a run folder (no readable config.json)"
+        return f"{text!r} is not a run directory (no readable config.json)"
     if not isinstance(config, dict) or "attnlab_run" not in config:
-        return f"{text!r} is a folder but not a run folder (its config.json is not attnlab's)"
+        return f"{text!r} is not a run directory (its config.json is not attnlab's)"
     return None
 
 
