@@ -188,5 +188,5 @@ def print_report(results: dict) -> None:
     print(f"  attnlab translate {run} --input file.txt     (one sentence per line; or stdin)")
     print(f"  attnlab evaluate {run}                       (BLEU, chrF, alignment error rate)")
     print(f"  attnlab explain {run}                        (attention pictures)")
-    print(f"  attnlab train --out {run} --resume --time-budget MIN   (train longer)")
+    print(f"  attnlab train --out {run} --resume --more-minutes MIN  (train longer)")
     print(f"  python: attnlab.translate.load_run({str(run)!r}).translate([...])")
