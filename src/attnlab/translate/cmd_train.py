@@ -440,9 +440,7 @@ def main(args: argparse.Namespace) -> int:
             args.resume = False
             done = done_so_far({})
         else:
-            import json
-
-            done = done_so_far(json.loads((latest / "state.json").read_text(encoding="utf-8")))
+            done = done_so_far(ckpt.read_checkpoint_state(latest))  # checked; errors name it
         new_budget = resume_budget(args, config, done, run_dir)
         start_step = done["steps"]
         if (
