@@ -1,0 +1,13 @@
+"""attnlab's own kernels, each behind one Python entry point that the dispatch can call.
+
+* :mod:`attnlab.kernels.cpu_flash` -- blocked ("flash") attention on CPU in torch ops, forward
+  and backward, with dropout inside the blocks: ``flash_attention(q, k, v, mask, alignment,
+  scale, dropout_p, generator=None)`` and ``supports(q, k, v, mask, dropout_p)``.
+
+The kernels depend on nothing above them (no ``attnlab.functional`` import): the dispatch in
+:mod:`attnlab.functional.sdpa` checks inputs and applies the NaN policy around them.
+"""
+
+from attnlab.kernels.cpu_flash import flash_attention, supports
+
+__all__ = ["flash_attention", "supports"]
