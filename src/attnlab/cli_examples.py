@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import argparse
 
+# The names of :data:`attnlab.examples.EXAMPLES`, in order, written out so that
+# ``attnlab examples --help`` need not import torch (tests/test_cli_front.py checks they agree).
+NAMES = (
+    "five-tokens",
+    "four-words",
+    "attention-shapes",
+    "head-sharing",
+    "kv-cache",
+    "rope",
+    "real-model",
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from attnlab.examples import EXAMPLES
-
     parser.add_argument(
         "names",
         nargs="*",
         metavar="NAME",
-        help="examples to run (default: all): " + ", ".join(EXAMPLES),
+        help="examples to run (default: all): " + ", ".join(NAMES),
     )
 
 

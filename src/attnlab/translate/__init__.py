@@ -16,8 +16,32 @@ Use a trained run from Python::
     tr = load_run("runs/bible-rnn-luong-general")
     out = tr.translate(["In the beginning God created the heaven and the earth."])
     out[0].text, out[0].source_tokens, out[0].target_tokens, out[0].attention.shape
+
+The names below are imported on first use, so the command-line parsers (``cmd_*`` modules,
+which live in this package) build without importing torch.
 """
 
-from attnlab.translate.run import Translation, Translator, load_run
+from __future__ import annotations
 
-__all__ = ["Translation", "Translator", "load_run"]
+import importlib
+
+# public name -> module that defines it
+_EXPORTS = {
+    "Translation": "attnlab.translate.run",
+    "Translator": "attnlab.translate.run",
+    "load_run": "attnlab.translate.run",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'attnlab.translate' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

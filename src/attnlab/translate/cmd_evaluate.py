@@ -22,7 +22,7 @@ reference translation. "referenced" scores only target words the reference links
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from attnlab.cli import positive_int
-    from attnlab.translate.pipeline import add_run_arguments
+    from attnlab.translate.cmd_translate import add_run_arguments
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG

@@ -13,8 +13,13 @@ import argparse
 import time
 from pathlib import Path
 
-from attnlab.translate.models import MODELS, SIZES, TRANSFORMER_ATTENTIONS
-from attnlab.translate.rnn import RNN_ATTENTIONS
+from attnlab.translate.settings import (
+    MODELS,
+    PRESETS,
+    RNN_ATTENTIONS,
+    SIZES,
+    TRANSFORMER_ATTENTIONS,
+)
 
 EPILOG = """\
 examples:
@@ -39,7 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         positive_int,
         seed_int,
     )
-    from attnlab.translate.pipeline import PRESETS
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
@@ -91,13 +95,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         choices=MODELS,
         default=None,
-        help="rnn (bi-GRU encoder, GRU decoder) or transformer (default for bible)",
+        help="rnn (bi-GRU encoder, GRU decoder; the default, for every task and for --data) "
+        "or transformer",
     )
     g.add_argument(
         "--attention",
         default=None,
         choices=sorted(set(RNN_ATTENTIONS) | set(TRANSFORMER_ATTENTIONS)),
-        help="RNN: " + ", ".join(RNN_ATTENTIONS) + "; Transformer: multihead, gqa",
+        help="RNN: "
+        + ", ".join(RNN_ATTENTIONS)
+        + " (default luong-general); Transformer: "
+        + ", ".join(TRANSFORMER_ATTENTIONS)
+        + " (default multihead)",
     )
     g.add_argument(
         "--size", choices=list(SIZES["rnn"]), default=None, help="model size (default small)"

@@ -21,9 +21,33 @@ examples:
 """
 
 
+def add_run_arguments(parser) -> None:
+    """The options of the commands that use a trained run: RUN_DIR, beam, device, threads."""
+    from attnlab.cli import device_name, positive_int
+
+    parser.add_argument(
+        "run_dir", type=Path, metavar="RUN_DIR", help="a folder written by attnlab train"
+    )
+    parser.add_argument(
+        "--beam-size",
+        "-b",
+        type=positive_int,
+        default=None,
+        help="beam width (1 = greedy; default: the run's, 4)",
+    )
+    parser.add_argument(
+        "--device", type=device_name, default="cpu", help="cpu (default), cuda or cuda:N"
+    )
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="CPU threads (default: the idle cores, >= 1)",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from attnlab.cli import positive_int
-    from attnlab.translate.pipeline import add_run_arguments
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG

@@ -17,46 +17,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlab.translate.rnn import RNN_ATTENTIONS, RNNSeq2Seq
+from attnlab.translate.rnn import RNNSeq2Seq
+from attnlab.translate.settings import (  # noqa: F401 - part of this module's API
+    MODELS,
+    RNN_ATTENTIONS,
+    SIZES,
+    TRANSFORMER_ATTENTIONS,
+)
 from attnlab.translate.transformer import TransformerSeq2Seq
-
-MODELS = ("rnn", "transformer")
-TRANSFORMER_ATTENTIONS = ("multihead", "gqa")
-
-# Sizes by name: the default of each model, and a tiny one for tests and smoke runs.
-SIZES = {
-    "rnn": {
-        "tiny": {"emb_dim": 32, "hidden": 64, "enc_layers": 1, "heads": 2, "dropout": 0.0},
-        "small": {"emb_dim": 128, "hidden": 256, "enc_layers": 1, "heads": 4, "dropout": 0.1},
-        "base": {"emb_dim": 256, "hidden": 512, "enc_layers": 1, "heads": 4, "dropout": 0.2},
-    },
-    "transformer": {
-        "tiny": {
-            "d_model": 32,
-            "heads": 2,
-            "d_ff": 64,
-            "enc_layers": 1,
-            "dec_layers": 1,
-            "dropout": 0.0,
-        },
-        "small": {
-            "d_model": 192,
-            "heads": 4,
-            "d_ff": 768,
-            "enc_layers": 3,
-            "dec_layers": 3,
-            "dropout": 0.1,
-        },
-        "base": {
-            "d_model": 256,
-            "heads": 4,
-            "d_ff": 1024,
-            "enc_layers": 4,
-            "dec_layers": 4,
-            "dropout": 0.1,
-        },
-    },
-}
 
 
 def model_config(model: str, attention: str | None, size: str = "small", **overrides) -> dict:

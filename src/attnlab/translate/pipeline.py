@@ -19,65 +19,11 @@ import torch
 
 from attnlab.translate import checkpoint as ckpt
 from attnlab.translate.models import build_model, count_parameters, model_config
+from attnlab.translate.settings import MODEL_DEFAULTS, PRESETS, TASK_DEFAULTS
 from attnlab.translate.tasks import DATA_FILE, run_task, task_spec
 from attnlab.translate.tokenizer import Tokenizer
 from attnlab.translate.trainer import TrainOptions, fit, init_distributed
 
-# What each task trains by default (a plain `attnlab train` is the first row). For 15 minutes
-# of CPU the RNN with Luong attention learns fastest: its decoder GRU and its attention each run
-# over all target positions at once (no step-by-step loop in training). At 20 CPU-minutes on
-# the Bible it reached BLEU 20.1 where Bahdanau's step-by-step decoder reached 7.9; the
-# Transformer needs more time (`--preset bible-long`).
-TASK_DEFAULTS = {
-    "bible": {
-        "model": "rnn",
-        "attention": "luong-general",
-        "size": "small",
-        "tokenizer": "bpe",
-        "vocab_size": 8000,
-        "time_budget": 15.0,
-    },
-    "dates": {
-        "model": "rnn",
-        "attention": "luong-general",
-        "size": "small",
-        "tokenizer": "char",
-        "time_budget": 4.0,
-        "max_tokens": 1024,
-    },
-    "tsv": {
-        "model": "transformer",
-        "size": "small",
-        "tokenizer": "bpe",
-        "vocab_size": 8000,
-        "time_budget": 15.0,
-    },
-}
-# Small batches, many steps: with minutes to hours of CPU, more updates of fewer tokens learn
-# faster (at 6 CPU-minutes on the Bible, 1,536-token batches at lr 2e-3 reached a validation
-# loss of 4.79 where 4,096-token batches at lr 1e-3 reached 5.54).
-MODEL_DEFAULTS = {
-    "transformer": {"lr": 2e-3, "warmup": 200, "max_tokens": 1536, "label_smoothing": 0.1},
-    "rnn": {"lr": 2e-3, "warmup": 200, "max_tokens": 1536, "label_smoothing": 0.1},
-}
-# Named recipes; every key is an option of `attnlab train`.
-PRESETS = {
-    "bible-long": {
-        # A Transformer of 7.5M parameters for 5 hours or 30 epochs, whichever ends first
-        # (an epoch costs about 13 minutes of one CPU core).
-        "task": "bible",
-        "model": "transformer",
-        "size": "base",
-        "layers": 3,
-        "time_budget": 300.0,
-        "epochs": 30.0,
-        "vocab_size": 8000,
-        "lr": 1.5e-3,
-        "warmup": 800,
-        "max_tokens": 2048,
-    },
-    "dates": {"task": "dates", "model": "rnn", "attention": "luong-general", "size": "small"},
-}
 MODEL_OPTIONS = (
     "emb_dim",
     "hidden",
@@ -477,33 +423,9 @@ def train_tokenizer(task, config: dict) -> Tokenizer:
     return Tokenizer.train(texts, config["tokenizer"]["kind"], config["tokenizer"]["vocab_size"])
 
 
-def add_run_arguments(parser) -> None:
-    """The options of the commands that use a trained run: RUN_DIR, beam, device, threads."""
-    from attnlab.cli import device_name, positive_int
-
-    parser.add_argument(
-        "run_dir", type=Path, metavar="RUN_DIR", help="a folder written by attnlab train"
-    )
-    parser.add_argument(
-        "--beam-size",
-        "-b",
-        type=positive_int,
-        default=None,
-        help="beam width (1 = greedy; default: the run's, 4)",
-    )
-    parser.add_argument(
-        "--device", type=device_name, default="cpu", help="cpu (default), cuda or cuda:N"
-    )
-    parser.add_argument(
-        "--threads",
-        type=positive_int,
-        default=None,
-        help="CPU threads (default: the idle cores, >= 1)",
-    )
-
-
 def open_run(args):
-    """The :class:`~attnlab.translate.run.Translator` that :func:`add_run_arguments` names."""
+    """The :class:`~attnlab.translate.run.Translator` that ``cmd_translate.add_run_arguments``
+    names."""
     from attnlab.translate.run import load_run
 
     if args.beam_size is not None and args.beam_size < 1:

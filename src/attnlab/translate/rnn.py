@@ -38,17 +38,8 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from attnlab.translate.batching import source_mask
+from attnlab.translate.settings import RNN_ATTENTIONS
 from attnlab.translate.tokenizer import PAD
-
-RNN_ATTENTIONS = (
-    "none",
-    "bahdanau",
-    "luong-dot",
-    "luong-general",
-    "luong-concat",
-    "multihead",
-    "hard",
-)
 
 
 class HardAttention(nn.Module):
