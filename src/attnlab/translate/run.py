@@ -258,9 +258,9 @@ class Translator:
         results: list[Translation | None] = [None] * len(texts)
         chunks = length_sorted_chunks([len(ids) for ids, _ in encoded], batch_size)
         if progress:
-            from tqdm.auto import tqdm
+            from attnlab.translate.progress import progress_bar
 
-            chunks = tqdm(chunks, desc="translating", unit="batch", leave=False)
+            chunks = progress_bar(chunks, desc="translating", unit="batch", leave=False)
         for chunk in chunks:
             src, lengths = self._src_tensors([encoded[i][0] for i in chunk])
             hyps = decode(
@@ -307,9 +307,9 @@ class Translator:
         chunks = length_sorted_chunks([len(s[0]) for s in src_enc], batch_size)
         out = [None] * len(pairs)
         if progress:
-            from tqdm.auto import tqdm
+            from attnlab.translate.progress import progress_bar
 
-            chunks = tqdm(chunks, desc="attention", unit="batch", leave=False)
+            chunks = progress_bar(chunks, desc="attention", unit="batch", leave=False)
         for chunk in chunks:
             src, lengths = self._src_tensors([src_enc[i][0] for i in chunk])
             tgt_in = pad([[BOS] + tgt_enc[i][0] for i in chunk]).to(self.device)

@@ -234,7 +234,8 @@ def fit(
         run_dir: where checkpoints are written (process 0 only).
         resume: continue from the latest checkpoint in ``run_dir``.
         dist: distributed context (default: single process).
-        progress_bar: show a tqdm bar (process 0).
+        progress_bar: show progress (process 0): a tqdm bar on a terminal, else one line a
+            minute (:mod:`attnlab.translate.progress`).
         stop_at_step: behave as if interrupted after this step (tests of resume).
     """
     dist = dist or Dist()
@@ -347,16 +348,16 @@ def fit(
     if dist.main:  # train.log holds the validations of the checkpoint's history, no more
         log_lines = "".join(json.dumps(rec) + "\n" for rec in state.history)
         ckpt.atomic_write_text(run_dir / ckpt.TRAIN_LOG, log_lines)
-    from tqdm.auto import tqdm
+    from attnlab.translate.progress import progress_bar as make_bar
 
     bar = None
-    if dist.main and progress_bar:
-        bar = tqdm(
+    if dist.main and progress_bar:  # a live bar on a terminal, else a line per minute
+        bar = make_bar(
             total=1000,
             desc="training",
             unit="‰",
             dynamic_ncols=True,
-            mininterval=0.5 if sys.stderr.isatty() else 60.0,
+            mininterval=0.5,
             bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}",
             file=sys.stderr,
         )
