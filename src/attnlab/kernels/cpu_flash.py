@@ -227,13 +227,13 @@ class _Plan:
                 W = torch.mul(P, 1.0 / (1.0 - p), out=_scratch(scratch, "w", P.shape, P.dtype))
                 W.masked_fill_(dropped, 0.0)
             dv_blk = dv[bs, js, :kmax].view(-1, kmax, Ev)  # (n, kmax, Ev), a view (never a copy)
-            _accumulate(dv_blk, W.to(mm).transpose(1, 2), dob)  # += W^T dO
+            _accumulate(dv_blk, W.transpose(1, 2), dob)  # += W^T dO
             dp = _scratch(scratch, "dp", P.shape, mm)
             dp = torch.bmm(dob, vb.transpose(1, 2), out=dp).to(self.dtype)  # dO V^T
             if p > 0:
                 dp.masked_fill_(dropped, 0.0).mul_(1.0 / (1.0 - p))
-            dS = dp.sub_(D[bs, js, :, r0:r1].reshape(-1, R, 1)).mul_(P).to(mm)  # P * (dP - D)
-            dq[bs, js, :, r0:r1] = torch.bmm(dS, kb).mul_(self.scale).view(shape5)
+            dS = dp.sub_(D[bs, js, :, r0:r1].reshape(-1, R, 1)).mul_(P)  # P * (dP - D)
+            dq[bs, js, :, r0:r1] = torch.bmm(dS.to(mm), kb).mul_(self.scale).view(shape5)
             dk_blk = dk[bs, js, :kmax].view(-1, kmax, E)
             _accumulate(dk_blk, dS.transpose(1, 2), qb)  # += dS^T (log2(e) s Q)
 
@@ -274,11 +274,12 @@ def _in_threads(tasks, work):
 
 
 def _accumulate(dst, a, b):
-    """dst += a @ b, batched; in place in ``dst`` (a float32 view) whatever a and b's dtype."""
-    if a.dtype == dst.dtype:
-        dst.baddbmm_(a, b)
-    else:  # bf16 products (native bf16 only): baddbmm needs one dtype
-        dst.add_(torch.bmm(a, b))
+    """dst += a @ b, batched, in place in ``dst`` (a float32 view).
+
+    bf16 operands (native bf16 only) are widened: a bf16 ``bmm`` rounds its result to bf16, and
+    dK, dV would collect one such rounding per row block (2x the naive formula's error).
+    """
+    dst.baddbmm_(a.to(dst.dtype), b.to(dst.dtype))  # (no copies when already float32)
 
 
 def _scratch(scratch, name, shape, dtype):

@@ -1,0 +1,235 @@
+"""attnlab.kernels.cpu_flash: the blocked CPU kernel against the float64 oracle and eager path.
+
+Every case runs twice: with the default block sizes (small shapes: one block) and with tiny
+blocks (``tiny_blocks``: several row blocks, head groups and batch groups, run on the Python
+threads), so the tiling, the causal skipping and the per-block dropout draws are exercised.
+16-bit results are held to a control (the naive formula in the same dtype; conftest.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+import attnlab.kernels.cpu_flash as cf
+from attnlab import reference
+from attnlab.functional.sdpa import _eager
+from attnlab.kernels import flash_attention, supports
+from attnlab.masks import causal_keep
+from conftest import np64
+
+F64 = torch.float64
+
+
+@pytest.fixture(params=["one-block", "tiny-blocks"])
+def blocks(request, monkeypatch):
+    if request.param == "tiny-blocks":
+        monkeypatch.setattr(cf, "BLOCK_ROWS", 3)
+        monkeypatch.setattr(cf, "BLOCK_BYTES", 1)  # one kv head x 3 rows per block
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the thread pool, always
+    return request.param
+
+
+def inputs(B, H, Hkv, L, S, E, Ev, dtype=torch.float32, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, E, generator=g, dtype=F64)
+    k = torch.randn(B, Hkv, S, E, generator=g, dtype=F64)
+    v = torch.randn(B, Hkv, S, Ev, generator=g, dtype=F64)
+    return [t.to(dtype).requires_grad_(grad) for t in (q, k, v)]
+
+
+def make_mask(kind, B, H, L, S, seed=1):
+    """None, a bool mask (B, 1, L, S) with a dead row, or a float bias (1, H, L, S) with -inf."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "bool":
+        m = torch.rand(B, 1, L, S, generator=g) > 0.3
+        m[0, 0, L // 2] = False  # a row with no attendable key
+        return m
+    if kind == "float":
+        bias = torch.randn(1, H, L, S, generator=g, dtype=F64)
+        return bias.masked_fill(torch.rand(1, H, L, S, generator=g) > 0.7, float("-inf"))
+    return None
+
+
+def oracle(q, k, v, mask, alignment, scale):
+    return reference.scaled_dot_product_attention(
+        np64(q), np64(k), np64(v), np64(mask), is_causal=alignment or False, scale=scale
+    )
+
+
+SHAPES = [  # (B, H, Hkv, L, S, E, Ev): L != S, GQA 4/2 and 4/1, E != Ev
+    (2, 4, 2, 7, 11, 5, 3),
+    (1, 4, 1, 13, 6, 8, 8),
+    (2, 2, 2, 9, 9, 4, 6),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+@pytest.mark.parametrize("alignment", [None, "top_left", "bottom_right"])
+def test_forward_matches_the_oracle(blocks, shape, mask_kind, alignment):
+    B, H, Hkv, L, S, E, Ev = shape
+    mask = make_mask(mask_kind, B, H, L, S)
+    for dtype, atol in ((F64, 1e-12), (torch.float32, 2e-6)):
+        q, k, v = inputs(*shape, dtype=dtype)
+        m = mask.to(dtype) if mask is not None and mask.is_floating_point() else mask
+        out = flash_attention(q, k, v, m, alignment, 0.37, 0.0)
+        assert out.dtype == dtype and out.shape == (B, H, L, Ev)
+        np.testing.assert_allclose(
+            out.double().numpy(), oracle(q, k, v, mask, alignment, 0.37), rtol=0, atol=atol
+        )
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+@pytest.mark.parametrize("alignment", [None, "top_left", "bottom_right"])
+def test_gradients_match_the_eager_path_in_float64(blocks, shape, mask_kind, alignment):
+    B, H, Hkv, L, S, E, Ev = shape
+    mask = make_mask(mask_kind, B, H, L, S)
+    q, k, v = inputs(*shape, dtype=F64, grad=True)
+    up = torch.randn(B, H, L, Ev, dtype=F64, generator=torch.Generator().manual_seed(5))
+    out = flash_attention(q, k, v, mask, alignment, 0.37, 0.0)
+    got = torch.autograd.grad(out, (q, k, v), up)
+    want = torch.autograd.grad(_eager(q, k, v, mask, alignment, 0.37, 0.0)[0], (q, k, v), up)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("alignment", [None, "bottom_right"])
+def test_gradcheck(blocks, alignment):
+    q, k, v = inputs(1, 4, 2, 5, 4, 3, 2, dtype=F64, grad=True)
+    mask = torch.rand(5, 4, generator=torch.Generator().manual_seed(2)) > 0.3
+    mask[1] = False  # a dead row
+    assert gradcheck(lambda q, k, v: flash_attention(q, k, v, mask, alignment, 0.5, 0.0), (q, k, v))
+
+
+def test_dead_rows_give_zero_output_and_zero_finite_gradients(blocks):
+    # bottom-right with L > S: the first L - S = 3 queries see no key; row 5 is masked out
+    q, k, v = inputs(2, 4, 2, 8, 5, 4, 3, grad=True)
+    mask = torch.ones(8, 5, dtype=torch.bool)
+    mask[5] = False
+    out = flash_attention(q, k, v, mask, "bottom_right", 0.5, 0.0)
+    dead = [0, 1, 2, 5]
+    assert torch.equal(out[:, :, dead], torch.zeros_like(out[:, :, dead]))
+    assert out[:, :, 3:5].abs().sum() > 0  # and the live rows are not
+    out.backward(torch.randn_like(out))
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    assert torch.equal(q.grad[:, :, dead], torch.zeros_like(q.grad[:, :, dead]))
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["widened", "bf16-gemm"])
+@pytest.mark.parametrize("alignment", [None, "bottom_right"])
+def test_bfloat16_within_twice_the_control_error(blocks, monkeypatch, native, alignment):
+    """Forward and gradients in bf16: error vs float64 <= 2x the naive bf16 formula's + eps."""
+    monkeypatch.setattr(cf, "native_bf16", lambda: native)
+    B, H, Hkv, L, S, E, Ev = 2, 4, 2, 24, 20, 16, 8
+    q64, k64, v64 = inputs(B, H, Hkv, L, S, E, Ev, dtype=F64, seed=3)
+    q64, k64, v64 = (t.bfloat16().double().requires_grad_() for t in (q64, k64, v64))
+    q, k, v = (t.detach().bfloat16().requires_grad_() for t in (q64, k64, v64))
+    mask = make_mask("bool", B, H, L, S)
+    up = torch.randn(B, H, L, Ev, generator=torch.Generator().manual_seed(4))
+
+    def run(fn, q, k, v):
+        out = fn(q, k, v, mask, alignment, E**-0.5, 0.0)
+        out = out[0] if isinstance(out, tuple) else out
+        return (out, *torch.autograd.grad(out, (q, k, v), up.to(out.dtype)))
+
+    truth = run(_eager, q64, k64, v64)
+    ours = run(flash_attention, q, k, v)
+    control = run(_eager, q, k, v)  # the readable formula, in bf16
+    for name, t, o, c in zip(("out", "dq", "dk", "dv"), truth, ours, control, strict=True):
+        assert o.dtype == torch.bfloat16, name
+        err, err_control = (o.double() - t).abs().max(), (c.double() - t).abs().max()
+        assert err <= 2 * err_control + 1e-3, (name, float(err), float(err_control))
+
+
+def test_an_expanded_mask_is_sliced_not_materialised(blocks):
+    B, H, L, S = 2, 4, 6, 7
+    small = torch.rand(B, 1, 1, S, generator=torch.Generator().manual_seed(0)) > 0.3
+    q, k, v = inputs(B, H, 2, L, S, 4, 4)
+    plan = cf._Plan(q, k, v, small.expand(B, H, L, S), None, 1.0, 0.0, 0)
+    assert plan.mask.numel() == B * S  # (B, 1, 1, 1, S): the expanded view went back to size 1
+    out = flash_attention(q, k, v, small.expand(B, H, L, S), None, 0.5, 0.0)
+    torch.testing.assert_close(out, flash_attention(q, k, v, small, None, 0.5, 0.0))
+
+
+def test_supports():
+    q, k, v = inputs(1, 2, 1, 4, 4, 8, 8)
+    assert supports(q, k, v, None, 0.1) is None
+    assert supports(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, 0.0) is None
+    assert "float64" in supports(q.double(), k.double(), v.double(), None, 0.0)
+    assert "device meta" in supports(q.to("meta"), k.to("meta"), v.to("meta"), None, 0.0)
+    bias = torch.zeros(4, 4, requires_grad=True)
+    assert "requires grad" in supports(q, k, v, bias, 0.0)
+    assert "empty" in supports(q[:, :, :0], k, v, None, 0.0)
+
+
+# -- dropout ------------------------------------------------------------------------------------
+
+P = 0.25
+
+
+def dropped_weights(q, k, alignment=None, p=P, **kw):
+    """With V = I (per kv head, S = Ev), the output *is* the dropped weights (B, H, L, S)."""
+    eye = torch.eye(k.shape[2], dtype=q.dtype).expand(*k.shape[:2], -1, -1)
+    return flash_attention(q, k, eye, None, alignment, 0.5, p, **kw)
+
+
+def test_dropout_keep_rate_scaling_and_mean(blocks):
+    q, k, _ = inputs(2, 4, 2, 64, 64, 8, 8, dtype=F64, seed=7)
+    w = dropped_weights(q, k)
+    full = dropped_weights(q, k, p=0.0)
+    kept = w != 0
+    rate = kept.double().mean()
+    assert abs(rate - (1 - P)) < 0.01, float(rate)  # N = 32768 draws: std 0.0024
+    torch.testing.assert_close(w[kept], full[kept] / (1 - P), rtol=1e-12, atol=0)
+    row_sums = w.sum(-1)  # each row of undropped weights sums to 1; dropout keeps the mean
+    assert abs(row_sums.mean() - 1) < 0.02, float(row_sums.mean())
+
+
+@pytest.mark.parametrize("alignment", [None, "bottom_right"])
+def test_dropout_backward_uses_the_forward_mask(blocks, alignment):
+    """Gradients equal an eager computation with the keep mask recovered from the forward."""
+    B, H, Hkv, L, S = 2, 4, 2, 9, 7
+    q, k, _ = inputs(B, H, Hkv, L, S, 5, S, dtype=F64, seed=8, grad=True)
+    v = torch.eye(S, dtype=F64).repeat(B, Hkv, 1, 1).requires_grad_()
+    torch.manual_seed(3)
+    out = flash_attention(q, k, v, None, alignment, 0.5, P)
+    keep = (out != 0).detach()  # V = I: out = P * Z / (1 - p); P > 0 where a key is visible
+    if alignment is not None:  # causal zeros are not dropout; the eager mask hides them anyway
+        keep |= ~causal_keep(L, S, alignment, None)
+    assert 0 < (~keep).sum() < keep.numel() / 2  # something was dropped, most was kept
+    up = torch.randn(B, H, L, S, dtype=F64, generator=torch.Generator().manual_seed(9))
+    got = torch.autograd.grad(out, (q, k, v), up)
+
+    w = _eager(q, k, v, None, alignment, 0.5, 0.0)[1] * keep / (1 - P)  # (B, H, L, S)
+    ref = (w.view(B, Hkv, H // Hkv * L, S) @ v).view(B, H, L, S)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    want = torch.autograd.grad(ref, (q, k, v), up)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_dropout_is_reproducible_under_manual_seed_and_differs_across_seeds(blocks):
+    q, k, _ = inputs(1, 2, 2, 16, 16, 4, 4)
+    torch.manual_seed(0)
+    a = dropped_weights(q, k)
+    torch.manual_seed(0)
+    b = dropped_weights(q, k)
+    torch.manual_seed(1)
+    c = dropped_weights(q, k)
+    assert torch.equal(a, b)
+    assert not torch.equal(a != 0, c != 0)
+    g = torch.Generator().manual_seed(5)
+    d = dropped_weights(q, k, generator=g)
+    assert torch.equal(d, dropped_weights(q, k, generator=torch.Generator().manual_seed(5)))
+
+
+def test_dropout_blocks_draw_different_masks(blocks):
+    """Blocks of one call do not repeat one another's draws (a seed per block, not per call)."""
+    q, k, _ = inputs(1, 1, 1, 12, 12, 4, 4, dtype=F64)
+    q = torch.zeros_like(q)  # every weight 1/12: the kept pattern is all there is
+    z = dropped_weights(q, k, p=0.5) != 0
+    assert not torch.equal(z[..., :3, :], z[..., 3:6, :])
