@@ -19,12 +19,13 @@ a safetensors copy in a cache folder; later loads take a fraction of a second::
                                                                     config.json, tokenizer...
                                                                     manifest.json (written last)
 
-The cache folder is ``$ATTNLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnlab``, else
-``~/.cache/attnlab``. The ``<key>`` hashes the GGUF file's size and mtime, the ``transformers``
-version and the cache format, so a new wheel or a new ``transformers`` builds a new copy (old
-copies can be deleted by hand). A copy is built in a temporary folder and renamed into place, so a
-crash never leaves a half-written copy behind, and a file lock makes concurrent processes
-(pytest-xdist) wait for one build instead of racing. Every load checks the copy's manifest first.
+The cache folder is ``$ATTNLAB_CACHE``, else ``$XDG_CACHE_HOME/attnlab``, else
+``~/.cache/attnlab`` (``$ATTNLAB_CACHE_DIR``, its older name, is still read). The ``<key>``
+hashes the GGUF file's size and mtime, the ``transformers`` version and the cache format, so a
+new wheel or a new ``transformers`` builds a new copy (old copies can be deleted by hand). A copy
+is built in a temporary folder and renamed into place, so a crash never leaves a half-written copy
+behind, and a file lock makes concurrent processes (pytest-xdist) wait for one build instead of
+racing. Every load checks the copy's manifest first.
 
 Example:
     >>> from attnlab.pretrained import load_model
@@ -185,11 +186,16 @@ def available(name: str) -> bool:
     return True
 
 
+CACHE_ENV = ("ATTNLAB_CACHE", "ATTNLAB_CACHE_DIR")  # the name, then its older alias
+
+
 def cache_root() -> Path:
-    """The folder holding converted models: ``$ATTNLAB_CACHE_DIR``, ``$XDG_CACHE_HOME/attnlab``
-    or ``~/.cache/attnlab``, in that order. It is not created here."""
-    if explicit := os.environ.get("ATTNLAB_CACHE_DIR"):
-        return Path(explicit).expanduser()
+    """The folder holding converted models: ``$ATTNLAB_CACHE`` (or its older name
+    ``$ATTNLAB_CACHE_DIR``), ``$XDG_CACHE_HOME/attnlab`` or ``~/.cache/attnlab``, in that order.
+    It is not created here."""
+    for variable in CACHE_ENV:
+        if explicit := os.environ.get(variable):
+            return Path(explicit).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "attnlab"
