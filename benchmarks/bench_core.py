@@ -6,11 +6,16 @@
 2. ``return_weights=True`` vs the naive materialising formula ``softmax(Q K^T / sqrt(E)) V``.
 3. ``additive_attention`` vs the naive Bahdanau formula (seed 002's ``AdditiveAttention``):
    time and peak memory at B=8, L=S=1024, A=256. Target: >= 5x less peak memory, not slower.
+4. ``attnlab.kernels.cpu_flash`` (the blocked CPU kernel) vs torch SDPA, forward+backward:
+   bf16 (target: <= 0.5x torch's time), fp32 (reported: the dispatch picks the faster), and
+   dropout_p=0.1 (targets: <= 0.2x torch's time, <= 2x without dropout, <= 1/4 of torch's peak
+   memory). Run it with ``--threads 1`` and ``--threads 2``.
 
 Allocator: materialised weights are dominated by page faults on fresh memory; see
 ``common.py`` for ``THP_MEM_ALLOC_ENABLE=1`` and run the script a second time with it.
 
-Usage: ``python benchmarks/bench_core.py [--quick] [--threads N] [--skip-naive-additive]``
+Usage: ``python benchmarks/bench_core.py [--quick] [--threads N] [--skip-naive-additive]
+[--only fused|weights|additive|flash]``
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attnlab.functional as AF  # noqa: E402
+from attnlab.kernels import flash_attention  # noqa: E402
 from common import header, peak_rss_mib_in_child, ratio_line, report_peak, round_robin  # noqa: E402
 
 SDPA_SHAPES = [(8, 8, 256, 64), (4, 8, 1024, 64), (1, 8, 4096, 64)]
+DROPOUT_SHAPE = (4, 8, 1024, 64)
 
 
 def naive_weights(q, k, v):
@@ -58,6 +65,19 @@ def fwd_bwd(fn):
     return run
 
 
+def flash(q, k, v, dropout_p=0.0):
+    return flash_attention(q, k, v, None, None, q.shape[-1] ** -0.5, dropout_p)
+
+
+def torch_sdpa(q, k, v, dropout_p=0.0):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+
+
+def sdpa_inputs(shape=DROPOUT_SHAPE, dtype=torch.float32, grad=True):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad) for _ in range(3)]
+
+
 MEMORY_CASES = {
     "additive-attnlab-fwd": (lambda x: AF.additive_attention(*x), additive_inputs),
     "additive-naive-fwd": (lambda x: naive_additive(*x), additive_inputs),
@@ -74,6 +94,16 @@ MEMORY_CASES = {
         lambda: additive_inputs(B=2, L=512, S=512, grad=True),
     ),
 }
+for _name, _dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    for _who, _fn in (("flash", flash), ("torch", torch_sdpa)):
+        MEMORY_CASES[f"{_who}-dropout-{_name}-fwdbwd"] = (
+            lambda x, fn=_fn: fwd_bwd(fn)(*x, 0.1),
+            lambda dtype=_dtype: sdpa_inputs(dtype=dtype),
+        )
+        MEMORY_CASES[f"{_who}-{_name}-fwdbwd"] = (
+            lambda x, fn=_fn: fwd_bwd(fn)(*x),
+            lambda dtype=_dtype: sdpa_inputs(dtype=dtype),
+        )
 
 
 def bench_fused(rounds: int) -> None:
@@ -183,6 +213,63 @@ def bench_additive(rounds: int, skip_naive: bool) -> None:
     )
 
 
+def bench_flash(rounds: int, quick: bool) -> None:
+    header("attnlab.kernels.cpu_flash vs torch SDPA, forward+backward (bf16 target <= 0.5)")
+    shapes = SDPA_SHAPES[1:2] if quick else SDPA_SHAPES
+    for dtype in (torch.bfloat16, torch.float32):
+        for shape in shapes:
+            q, k, v = sdpa_inputs(shape, dtype)
+            big = shape[2] >= 4096
+            stats = round_robin(
+                {
+                    "flash": lambda: fwd_bwd(flash)(q, k, v),
+                    "torch": lambda: fwd_bwd(torch_sdpa)(q, k, v),
+                },
+                rounds=max(2, rounds // 3) if big else rounds,
+                warmup=1,
+            )
+            print(ratio_line(f"fwd+bwd {str(dtype)[6:]:>8} {shape}", stats, "flash", "torch"))
+
+    header(f"dropout_p=0.1, forward+backward at {DROPOUT_SHAPE} (targets <= 0.2 and <= 2)")
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = sdpa_inputs(DROPOUT_SHAPE, dtype)
+        name = str(dtype)[6:]
+        stats = round_robin(
+            {
+                "flash": lambda: fwd_bwd(flash)(q, k, v, 0.1),
+                "torch": lambda: fwd_bwd(torch_sdpa)(q, k, v, 0.1),
+                "flash-no-dropout": lambda: fwd_bwd(flash)(q, k, v),
+                "attnlab-no-dropout": lambda: fwd_bwd(AF.scaled_dot_product_attention)(q, k, v),
+            },
+            rounds=max(2, rounds // 2),
+            warmup=1,
+        )
+        print(ratio_line(f"dropout {name}: flash vs torch", stats, "flash", "torch"))
+        print(ratio_line(f"dropout {name}: vs flash without", stats, "flash", "flash-no-dropout"))
+        print(
+            ratio_line(f"dropout {name}: vs attnlab without", stats, "flash", "attnlab-no-dropout")
+        )
+
+    here = str(Path(__file__).resolve())
+    for name in ("fp32", "bf16"):
+        peaks = {
+            case: peak_rss_mib_in_child(here, case)
+            for case in (
+                f"flash-dropout-{name}-fwdbwd",
+                f"torch-dropout-{name}-fwdbwd",
+                f"flash-{name}-fwdbwd",
+                f"torch-{name}-fwdbwd",
+            )
+        }
+        ours, theirs = peaks[f"flash-dropout-{name}-fwdbwd"], peaks[f"torch-dropout-{name}-fwdbwd"]
+        plain_ours, plain_theirs = peaks[f"flash-{name}-fwdbwd"], peaks[f"torch-{name}-fwdbwd"]
+        print(
+            f"peak fwd+bwd {name} {DROPOUT_SHAPE} (child, default threads): dropout flash "
+            f"{ours:.0f} MiB, torch {theirs:.0f} MiB (x{theirs / max(ours, 1):.1f}); "
+            f"no dropout flash {plain_ours:.0f} MiB, torch {plain_theirs:.0f} MiB"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer rounds")
@@ -192,7 +279,7 @@ def main() -> None:
         action="store_true",
         help="skip the naive additive forward (needs ~16 GiB)",
     )
-    p.add_argument("--only", choices=["fused", "weights", "additive"], default=None)
+    p.add_argument("--only", choices=["fused", "weights", "additive", "flash"], default=None)
     p.add_argument("--memory-case", choices=sorted(MEMORY_CASES), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.threads:
@@ -209,6 +296,8 @@ def main() -> None:
         bench_weights(rounds)
     if args.only in (None, "additive"):
         bench_additive(rounds, args.skip_naive_additive)
+    if args.only in (None, "flash"):
+        bench_flash(rounds, args.quick)
 
 
 if __name__ == "__main__":
