@@ -73,8 +73,10 @@ def test_dispatch_paths_and_reasons(monkeypatch):
     assert d.path == "weights" and "blocks of" in str(d)
     with torch.no_grad():  # no graph needed: still the weights path
         assert AF.explain(q.requires_grad_(), k, v, return_weights=True).path == "weights"
-    d = AF.explain(q, k, v, return_weights=True)  # q requires grad now
-    assert d.path == "eager" and "autograd" in str(d)
+    d = AF.explain(q, k, v, return_weights=True)  # q requires grad now: the blocked backward
+    assert d.path == "weights" and "log-sum-exp" in str(d)
+    d = AF.explain(q.bfloat16(), k.bfloat16(), v.bfloat16(), return_weights=True)
+    assert d.path == "eager" and "autograd for torch.bfloat16" in str(d)
     q = q.detach()
     d = AF.explain(q, k, v, dropout_p=0.1)
     assert d.path == "eager" and "dropout" in str(d)

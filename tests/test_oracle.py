@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import attnlab.functional as AF
 import attnlab.functional.additive as additive_module
+import attnlab.functional.sdpa as sdpa_module
 import attnlab.reference as R
 from attnlab import masks
 from conftest import assert_close_to_oracle, naive_sdpa, np64
@@ -71,18 +73,23 @@ CASES = [
 ]
 
 
-PATHS = ["fused", "weights", "eager", "average"]
+PATHS = ["fused", "weights", "weights-grad", "eager", "average"]
 
 
 def run_path(path, q, k, v, mask=None, **kwargs):
     """Call sdpa so that it takes ``path``; returns (output, weights or None)."""
-    if path == "eager":  # weights that need autograd take the readable path
+    if path in ("eager", "weights-grad"):  # weights that need autograd
         q = q.clone().requires_grad_()
     return_weights = {"fused": False, "average": "average"}.get(path, True)
-    assert AF.explain(
-        q, k, v, mask, return_weights=return_weights, is_causal=kwargs.get("is_causal", False)
-    ).path == ({"average": "weights"}.get(path, path))
-    out = AF.scaled_dot_product_attention(q, k, v, mask, return_weights=return_weights, **kwargs)
+    # the eager path serves weights with autograd in dtypes the blocked backward does not take
+    dtypes = () if path == "eager" else sdpa_module.GRAD_WEIGHTS_DTYPES
+    with mock.patch.object(sdpa_module, "GRAD_WEIGHTS_DTYPES", dtypes):
+        assert AF.explain(
+            q, k, v, mask, return_weights=return_weights, is_causal=kwargs.get("is_causal", False)
+        ).path == ({"average": "weights", "weights-grad": "weights"}.get(path, path))
+        out = AF.scaled_dot_product_attention(
+            q, k, v, mask, return_weights=return_weights, **kwargs
+        )
     return (out, None) if path == "fused" else out
 
 
@@ -113,14 +120,14 @@ def test_sdpa_matches_oracle(shape, mask_kind, causal, path):
 )
 def test_weights_path_in_many_blocks(mask_kind, causal, average, monkeypatch):
     """Blocks of one query row each must give exactly the same weights as one block."""
-    import attnlab.functional.sdpa as sdpa_module
+    import attnlab.functional._weights as weights_module
 
     shape = (2, 4, 2, 9, 11, 8, 4)
     q, k, v = make_qkv(shape)
     mask = make_mask(mask_kind, shape)
     rw = "average" if average else True
     whole = AF.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, return_weights=rw)
-    monkeypatch.setattr(sdpa_module, "WEIGHTS_BLOCK_BYTES", 1)
+    monkeypatch.setattr(weights_module, "WEIGHTS_BLOCK_BYTES", 1)
     assert "blocks of 1 head(s) x 1 query rows" in str(AF.explain(q, k, v, mask, return_weights=rw))
     rows = AF.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, return_weights=rw)
     torch.testing.assert_close(rows, whole, rtol=0, atol=1e-15)  # GEMV vs GEMM rounding

@@ -8,9 +8,10 @@
 * **weights** -- the weights on demand: scores, weights and output computed together, one block
   of heads x query rows at a time, written in place into the returned weights, so the extra
   memory is one block (not the several (B, H, L, S) temporaries of the textbook formula). Used
-  when weights are requested for inference.
-* **eager** -- the readable formula ``masked_softmax(Q K^T * scale) V``, used when the weights
-  need gradients, or with dropout on CPU (torch's CPU kernel has no dropout).
+  when weights are requested; with autograd (float32/float64) its backward recomputes each
+  block's weights from the row log-sum-exp (:mod:`attnlab.functional._weights`).
+* **eager** -- the readable formula ``masked_softmax(Q K^T * scale) V``, used with dropout on
+  CPU (torch's CPU kernel has no dropout), and for 16-bit weights that need gradients.
 
 Both paths compute the same function: float64 results agree with the NumPy oracle
 :func:`attnlab.reference.scaled_dot_product_attention` to rounding. Which path ran and why is
@@ -44,12 +45,17 @@ from attnlab.functional._layout import (
     nonfinite_rows,
     with_causal,
 )
+from attnlab.functional._weights import WeightsAttention, block_shape, weights_in_blocks
 from attnlab.functional.softmax import masked_softmax
-from attnlab.masks import causal_keep, plain
+from attnlab.masks import plain
 
 inf = float("inf")
 
 logger = logging.getLogger("attnlab.dispatch")
+
+# Weights that need gradients take the blocked weights path in these dtypes (its softmax
+# backward runs in the inputs' dtype; 16-bit inputs keep the eager path's float32 softmax).
+GRAD_WEIGHTS_DTYPES = (torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,6 @@ class Dispatch:
 
 
 _FUSED = Dispatch("fused", ("torch F.scaled_dot_product_attention",))
-WEIGHTS_BLOCK_BYTES = 8 * 2**20  # scores of one block of query rows, on the weights path
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -95,24 +100,33 @@ def _choose(
         return Dispatch(
             "eager", ("return_weights with dropout -- the weights must be the dropped ones",)
         )
-    if return_weights and _needs_grad(query, key, value, attn_mask):
+    grad = return_weights and _needs_grad(query, key, value, attn_mask)
+    if grad and (query.dtype not in GRAD_WEIGHTS_DTYPES or _needs_grad(attn_mask)):
         return Dispatch(
             "eager",
             (
-                "return_weights with autograd -- the weights need a graph; the weights path "
-                "runs without one (call under torch.no_grad() to use it)",
+                f"return_weights with autograd for {query.dtype}"
+                + (" and a mask that takes gradients" if _needs_grad(attn_mask) else "")
+                + " -- the blocked weights backward takes float32/float64 and a constant mask",
             ),
         )
     if return_weights:
-        heads, rows = _block_shape(
+        heads, rows = block_shape(
             query.shape[1], query.shape[2], key.shape[2], query.element_size()
         )
         what = "averaged over heads" if return_weights == "average" else "per head"
+        backward = (
+            "; with autograd: saves Q, K, V and the row log-sum-exp, the backward recomputes "
+            "each block's weights"
+            if grad
+            else ""
+        )
         return Dispatch(
             "weights",
             (
                 f"weights ({what}) and output computed together in blocks of {heads} head(s) x "
-                f"{rows} query rows, written in place: extra memory one block, not (B, H, L, S)",
+                f"{rows} query rows, written in place: extra memory one block, not (B, H, L, "
+                f"S){backward}",
             ),
         )
     if dropout_p > 0 and query.device.type == "cpu":
@@ -260,8 +274,12 @@ def scaled_dot_product_attention(
     weights = None
     if decision.path == "fused":
         out = _fused(q, k, v, mask, alignment, scale, dropout_p)
+    elif decision.path == "weights" and _needs_grad(q, k, v):
+        out, weights = WeightsAttention.apply(
+            q, k, v, mask, alignment, scale, return_weights == "average"
+        )
     elif decision.path == "weights":
-        out, weights = _weights_in_blocks(
+        out, weights = weights_in_blocks(
             q, k, v, mask, alignment, scale, return_weights == "average", buffer
         )
     else:
@@ -340,67 +358,6 @@ def _check_weights_out(buffer, query, q, S, return_weights, dropout_p) -> torch.
             f"torch.empty({shape}, dtype={query.dtype}) and pass it at every call."
         )
     return buffer.view(B, heads, L, S)
-
-
-@torch.no_grad()
-def _weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None):
-    """Output and weights together, one block of the (B, H, L, S) scores at a time.
-
-    A block is several whole heads of one batch row, or a range of query rows of one head:
-    either way a contiguous slice of the result, written in place. Each block holds complete
-    rows, so its softmax is exact, and its output rows are ``weights_block @ V``. Extra memory
-    is one block (``WEIGHTS_BLOCK_BYTES``); with ``average`` the (B, H, L, S) tensor never
-    exists. Returns the (B, H, L, Ev) output and (B, H, L, S) or (B, 1, L, S) weights.
-    """
-    B, H, L, _ = q.shape
-    Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
-    G = H // Hkv
-    out = q.new_empty(B, H, L, Ev)
-    if weights is None:
-        weights = q.new_zeros(B, 1, L, S) if average else q.new_empty(B, H, L, S)
-    elif average:
-        weights.zero_()  # the blocks add into it
-    heads, rows = _block_shape(H, L, S, q.element_size())
-    scratch = q.new_empty(heads, rows, S) if average else None
-    m4 = None if mask is None else mask.expand(B, H, L, S)  # a view: nothing is copied
-    qs = q * scale
-    kv_head = torch.arange(H, device=q.device) // G  # query head h reads kv head h // G
-    causal = None  # (L, S), built once
-    if alignment is not None:
-        causal = causal_keep(L, S, alignment, q.device)
-    can_die = m4 is not None or causal is not None  # rows with no attendable key are possible
-    for b in range(B):
-        for h0 in range(0, H, heads):
-            h1 = min(H, h0 + heads)
-            kb, vb = k[b, kv_head[h0:h1]], v[b, kv_head[h0:h1]]  # (h, S, E), (h, S, Ev)
-            for r0 in range(0, L, rows):
-                r1 = min(L, r0 + rows)
-                w = scratch[: h1 - h0, : r1 - r0] if average else weights[b, h0:h1, r0:r1]
-                torch.matmul(qs[b, h0:h1, r0:r1], kb.transpose(-2, -1), out=w)  # (h, r, S)
-                keep = None if m4 is None else m4[b, h0:h1, r0:r1]
-                if keep is not None and keep.dtype != torch.bool:
-                    w.add_(keep)
-                    keep = None
-                if causal is not None:
-                    keep = causal[r0:r1] if keep is None else keep & causal[r0:r1]
-                if keep is not None:
-                    w.masked_fill_(~keep, -inf)
-                dead = w.amax(-1, keepdim=True) == -inf if can_die else None  # (NaN: not dead)
-                torch.softmax(w, -1, out=w)
-                if dead is not None:
-                    w.masked_fill_(dead, 0.0)  # rows with no attendable key: weights 0
-                torch.matmul(w, vb, out=out[b, h0:h1, r0:r1])  # (h, r, S) @ (h, S, Ev)
-                if average:
-                    weights[b, 0, r0:r1].add_(w.sum(0), alpha=1.0 / H)
-    return out, weights
-
-
-def _block_shape(H: int, L: int, S: int, itemsize: int) -> tuple[int, int]:
-    """(heads, rows) of a block of scores of at most ``WEIGHTS_BLOCK_BYTES``."""
-    per_head = L * S * itemsize
-    if per_head <= WEIGHTS_BLOCK_BYTES:
-        return max(1, min(H, WEIGHTS_BLOCK_BYTES // per_head)), L
-    return 1, max(1, WEIGHTS_BLOCK_BYTES // (S * itemsize))
 
 
 def _fused(q, k, v, mask, alignment, scale, dropout_p):

@@ -1,0 +1,176 @@
+"""Weights on demand: the (B, H, L, S) attention weights and the output, computed in blocks.
+
+The textbook formula ``W = softmax(Q K^T * scale + M); O = W V`` keeps several (B, H, L, S)
+temporaries alive (scores, masked scores, exponentials, weights) and, under autograd, saves them
+for the backward. Here the scores of one **block** -- a few whole heads of one batch row, or a
+range of query rows of one head: a contiguous slice of the result -- are computed at a time and
+written in place into the returned weights, so the extra memory is one block
+(``WEIGHTS_BLOCK_BYTES``). Each block holds complete rows, so its softmax is exact.
+
+Forward, per block (h heads x r rows; ``m`` = the row maximum)::
+
+    w = Qs_blk K^T (+ bias, masked -> -inf)        (h, r, S)   Qs = Q * scale
+    w = softmax(w); rows with no key -> 0          the weights, in place
+    lse = m - log max(w)                           (h, r)      kept for the backward (>= fp32)
+    O_blk = w V                                    (h, r, Ev)
+
+Backward (:class:`WeightsAttention`), per block, recomputing ``w`` from ``lse`` (one GEMM and
+one exp, never a saved (B, H, L, S) tensor besides what the caller holds)::
+
+    dW = dO_blk V^T + dW_user                      (h, r, S)   (dW_user / H for averaged weights)
+    dS = w * (dW - rowsum(dW * w))                 softmax's Jacobian, row by row, where
+         rowsum(dO V^T * w) = rowsum(dO * O)       (one (B, H, L) pass, as FlashAttention)
+    dQ_blk = dS K * scale,  dK += dS^T Qs,  dV += w^T dO_blk
+
+Grouped-query heads: query head h reads kv head ``h // G``; the gradients of the G query heads
+of a group are summed into their kv head (``index_add_``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab.masks import causal_keep
+
+WEIGHTS_BLOCK_BYTES = 8 * 2**20  # scores of one block of query rows, on the weights path
+BACKWARD_BLOCK_BYTES = 2 * 2**20  # the backward runs several passes per block: smaller blocks
+inf = float("inf")
+
+
+def block_shape(H: int, L: int, S: int, itemsize: int, nbytes: int | None = None):
+    """(heads, rows) of a block of scores of at most ``nbytes`` (``WEIGHTS_BLOCK_BYTES``)."""
+    nbytes = WEIGHTS_BLOCK_BYTES if nbytes is None else nbytes
+    per_head = L * S * itemsize
+    if per_head <= nbytes:
+        return max(1, min(H, nbytes // per_head)), L
+    return 1, max(1, nbytes // (S * itemsize))
+
+
+class _Blocks:
+    """The blocks of a (B, H, L, S) score tensor and what each needs: kv heads, mask, causal."""
+
+    def __init__(self, q, k, mask, alignment, nbytes=None):
+        B, H, L, _ = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        self.shape = (B, H, L, S)
+        self.heads, self.rows = block_shape(H, L, S, q.element_size(), nbytes)
+        self.kv_head = torch.arange(H, device=q.device) // (H // Hkv)  # head h reads h // G
+        self.mask = None if mask is None else mask.expand(B, H, L, S)  # a view, not a copy
+        self.causal = None if alignment is None else causal_keep(L, S, alignment, q.device)
+        self.can_die = self.mask is not None or self.causal is not None
+
+    def __iter__(self):
+        """Yield (b, heads slice, rows slice, kv heads index)."""
+        B, H, L, _ = self.shape
+        for b in range(B):
+            for h0 in range(0, H, self.heads):
+                h1 = min(H, h0 + self.heads)
+                for r0 in range(0, L, self.rows):
+                    yield b, slice(h0, h1), slice(r0, min(L, r0 + self.rows)), self.kv_head[h0:h1]
+
+    def scores_(self, w, qs_blk, kb, b, hs, rs):
+        """Write the masked scores of a block into ``w`` (h, r, S); -inf where not allowed."""
+        torch.matmul(qs_blk, kb.transpose(-2, -1), out=w)  # (h, r, E) @ (h, E, S)
+        keep = None if self.mask is None else self.mask[b, hs, rs]
+        if keep is not None and keep.dtype != torch.bool:
+            w.add_(keep)  # an additive bias (its -inf entries mask)
+            keep = None
+        if self.causal is not None:
+            keep = self.causal[rs] if keep is None else keep & self.causal[rs]
+        if keep is not None:
+            w.masked_fill_(~keep, -inf)
+        return w
+
+
+@torch.no_grad()
+def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, lse=None):
+    """Output (B, H, L, Ev) and weights (B, H, L, S), or (B, 1, L, S) averaged, in blocks.
+
+    ``weights``: a buffer to write into (a caller's ``weights_out``). ``lse``: a (B, H, L)
+    float32 (float64 for float64 inputs) tensor that receives each row's log-sum-exp (``-inf``
+    for rows with no key), for :class:`WeightsAttention`'s backward. With ``average`` the (B, H, L, S) tensor never exists.
+    """
+    B, H, L, _ = q.shape
+    S, Ev = k.shape[2], v.shape[3]
+    out = q.new_empty(B, H, L, Ev)
+    if weights is None:
+        weights = q.new_zeros(B, 1, L, S) if average else q.new_empty(B, H, L, S)
+    elif average:
+        weights.zero_()  # the blocks add into it
+    blocks = _Blocks(q, k, mask, alignment)
+    scratch = q.new_empty(blocks.heads, blocks.rows, S) if average else None
+    qs = q * scale
+    for b, hs, rs, kv in blocks:
+        kb, vb = k[b, kv], v[b, kv]  # (h, S, E), (h, S, Ev)
+        h, r = hs.stop - hs.start, rs.stop - rs.start
+        w = scratch[:h, :r] if average else weights[b, hs, rs]
+        blocks.scores_(w, qs[b, hs, rs], kb, b, hs, rs)
+        top = w.amax(-1, keepdim=True) if blocks.can_die or lse is not None else None
+        dead = top == -inf if blocks.can_die else None  # (h, r, 1); a NaN row is not dead
+        torch.softmax(w, -1, out=w)
+        if lse is not None:
+            # the largest weight is exp(top - lse), so lse = top - log(max w): one max-pass
+            # instead of logsumexp's, in float32 at least; -inf for rows with no key
+            row_lse = top.to(lse.dtype) - w.amax(-1, keepdim=True).to(lse.dtype).log()
+            if dead is not None:
+                row_lse.masked_fill_(dead, -inf)
+            lse[b, hs, rs] = row_lse[..., 0]
+        if dead is not None:
+            w.masked_fill_(dead, 0.0)  # rows with no attendable key: weights 0
+        torch.matmul(w, vb, out=out[b, hs, rs])  # (h, r, S) @ (h, S, Ev)
+        if average:
+            weights[b, 0, rs].add_(w.sum(0), alpha=1.0 / H)
+    return out, weights
+
+
+class WeightsAttention(torch.autograd.Function):
+    """Output and weights that both carry gradients, at the weights path's memory.
+
+    ``apply(q, k, v, mask, alignment, scale, average) -> (out, weights)``; the mask (bool or a
+    bias) takes no gradient. Saves Q, K, V, O and the row log-sum-exp; the backward recomputes
+    each block's weights (see the module docstring).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, alignment, scale, average):
+        B, H, L, _ = q.shape
+        lse = q.new_empty(B, H, L, dtype=torch.promote_types(q.dtype, torch.float32))
+        out, weights = weights_in_blocks(q, k, v, mask, alignment, scale, average, lse=lse)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.alignment, ctx.scale, ctx.average = alignment, scale, average
+        return out, weights
+
+    @staticmethod
+    def backward(ctx, d_out, d_weights):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        scale, average = ctx.scale, ctx.average
+        H = q.shape[1]
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        if d_out is None:  # only the weights were used
+            d_out = torch.zeros_like(out)
+        # rowsum(dW * w) over the part of dW that comes from the output is rowsum(dO * O)
+        d_rows = (d_out * out).sum(-1, keepdim=True)  # (B, H, L, 1)
+        blocks = _Blocks(q, k, mask, ctx.alignment, BACKWARD_BLOCK_BYTES)
+        qs = q * scale
+        w_buf = q.new_empty(blocks.heads, blocks.rows, k.shape[2])
+        dw_buf = torch.empty_like(w_buf)
+        for b, hs, rs, kv in blocks:
+            kb, vb = k[b, kv], v[b, kv]  # (h, S, E), (h, S, Ev)
+            h, r = hs.stop - hs.start, rs.stop - rs.start
+            w = blocks.scores_(w_buf[:h, :r], qs[b, hs, rs], kb, b, hs, rs)
+            row_lse = lse[b, hs, rs, None].to(w.dtype)  # (h, r, 1)
+            w = torch.exp(w.sub_(row_lse), out=w)
+            if blocks.can_die:
+                w.masked_fill_(row_lse == -inf, 0.0)  # dead rows: exp(-inf + inf) = NaN -> 0
+            do = d_out[b, hs, rs]  # (h, r, Ev)
+            dw = torch.matmul(do, vb.transpose(-2, -1), out=dw_buf[:h, :r])  # (h, r, S)
+            rows = d_rows[b, hs, rs]  # (h, r, 1)
+            if d_weights is not None:
+                user = d_weights[b, 0, rs] / H if average else d_weights[b, hs, rs]
+                dw += user
+                rows = rows + torch.linalg.vecdot(user, w)[..., None]
+            ds = dw.sub_(rows).mul_(w)  # softmax backward: w * (dW - rowsum(dW * w)), in place
+            torch.matmul(ds, kb, out=dq[b, hs, rs])
+            dk[b].index_add_(0, kv, ds.transpose(-2, -1) @ qs[b, hs, rs])
+            dv[b].index_add_(0, kv, w.transpose(-2, -1) @ do)
+        return dq.mul_(scale), dk, dv, None, None, None, None
