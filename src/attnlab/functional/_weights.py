@@ -88,7 +88,8 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
 
     ``weights``: a buffer to write into (a caller's ``weights_out``). ``lse``: a (B, H, L)
     float32 (float64 for float64 inputs) tensor that receives each row's log-sum-exp (``-inf``
-    for rows with no key), for :class:`WeightsAttention`'s backward. With ``average`` the (B, H, L, S) tensor never exists.
+    for rows with no key), for :class:`WeightsAttention`'s backward. With ``average`` the
+    (B, H, L, S) tensor never exists.
     """
     B, H, L, _ = q.shape
     S, Ev = k.shape[2], v.shape[3]
