@@ -187,6 +187,6 @@ def print_report(results: dict) -> None:
     print(f'  attnlab translate {run} "{example}"')
     print(f"  attnlab translate {run} --input file.txt     (one sentence per line; or stdin)")
     print(f"  attnlab evaluate {run}                       (BLEU, chrF, alignment error rate)")
-    print(f"  attnlab explain {run}                        (attention pictures)")
+    print(f"  attnlab show {run}                           (attention pictures)")
     print(f"  attnlab train --out {run} --resume --more-minutes MIN  (train longer)")
     print(f"  python: attnlab.translate.load_run({str(run)!r}).translate([...])")
