@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -377,3 +378,17 @@ def test_input_of_another_dtype_than_the_layer_is_a_clear_error():
         layer(torch.randn(2, 3, 16).half())
     with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed precision stays allowed
         assert layer(torch.randn(2, 3, 16)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("where", ["query", "key", "value"])
+def test_the_oracle_states_the_nan_policy_and_every_path_agrees(path, where):
+    import attnlab.reference as R
+
+    q, k, v = qkv(dtype=torch.float64)
+    {"query": q, "key": k, "value": v}[where][1, 2 if where == "query" else 1, 3, 0] = nan
+    mask = bool_mask()
+    want = R.scaled_dot_product_attention(q.numpy(), k.numpy(), v.numpy(), mask.numpy())
+    got = run_path(path, q, k, v, mask).numpy()
+    assert (np.isnan(got) == np.isnan(want)).all() and np.isnan(want).any()
+    np.testing.assert_allclose(got[~np.isnan(want)], want[~np.isnan(want)], rtol=0, atol=1e-12)

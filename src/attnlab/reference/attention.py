@@ -34,7 +34,8 @@ def masked_softmax(scores, mask=None, dim=-1):
     # [..., L, S], mask broadcastable -> [..., L, S]
     # Masked keys get weight 0; a row with no attendable key gets weight 0 everywhere.
     x = np.moveaxis(_apply_mask(_f64(scores), mask), dim, -1)
-    alive = (x > -np.inf).any(axis=-1, keepdims=True)  # does the row see any key?
+    # does the row see any key? Only masks make a row dead: a NaN keeps it alive, and NaN
+    alive = (x != -np.inf).any(axis=-1, keepdims=True)
     shift = np.where(alive, x.max(axis=-1, keepdims=True), 0.0)  # for exp's sake only
     e = np.exp(x - shift)  # exp(-inf) = 0 for masked keys
     total = e.sum(axis=-1, keepdims=True)
@@ -106,6 +107,24 @@ def concat_scores(query, key, weight, w_score):
     return np.tanh(pairs @ weight.T) @ _f64(w_score)
 
 
+def _nonfinite_rows(query, key, value):
+    # [..., L, E], [..., S, E], [..., S, Ev] -> [..., L, 1]: the output rows a NaN or an inf
+    # reaches (docs/conventions.md): those of a non-finite query row, and every row of a head
+    # whose keys or values hold one, masked or not (a mask does not clean a NaN)
+    query, key, value = _f64(query), _f64(key), _f64(value)
+    bad_q = ~np.isfinite(query).all(axis=-1, keepdims=True)
+    kv_ok = np.isfinite(key).all(axis=(-2, -1)) & np.isfinite(value).all(axis=(-2, -1))
+    if query.ndim == 4 and key.ndim == 4:
+        kv_ok = np.repeat(kv_ok, query.shape[1] // max(1, key.shape[1]), axis=1)
+    return bad_q | ~kv_ok[..., None, None]
+
+
+def _propagate(out, weights, bad):
+    # NaN where the inputs were not finite; weights [..., H or none, L, S], bad [..., L, 1]
+    out = np.where(bad, np.nan, out)
+    return out if weights is None else (out, np.where(bad, np.nan, weights))
+
+
 def _causal(mask, is_causal, L, S):
     if is_causal is False or is_causal is None:
         return mask
@@ -127,16 +146,26 @@ def scaled_dot_product_attention(
     scale=None,
     dropout_p=0.0,
     return_weights=False,
+    weights_out=None,
 ):
     # [..., H, L, E], [..., Hkv, S, E], [..., Hkv, S, Ev] -> [..., H, L, Ev]
     # softmax(Q K^T * scale + M) V, query head h reading kv head h // (H // Hkv)
     # return_weights: True -> weights [..., H, L, S]; "average" -> mean over heads [B, L, S]
+    # weights_out: an array the weights are written into (and which is returned)
+    if scale is None and np.shape(query)[-1] == 0:
+        scale = 1.0  # E = 0: every score is 0 whatever the scale
     scores = scaled_dot_product_scores(query, key, scale)
     mask = _causal(attn_mask, is_causal, scores.shape[-2], scores.shape[-1])
-    out = attention(scores, value, mask, dropout_p=dropout_p, return_weights=bool(return_weights))
-    if return_weights == "average" and scores.ndim == 4:
-        return out[0], out[1].mean(axis=-3)
-    return out
+    out, weights = attention(scores, value, mask, dropout_p=dropout_p, return_weights=True)
+    out, weights = _propagate(out, weights, _nonfinite_rows(query, key, value))
+    if not return_weights:
+        return out
+    if return_weights == "average" and scores.ndim >= 4:
+        weights = weights.mean(axis=-3)
+    if weights_out is not None:
+        np.copyto(weights_out, weights)
+        weights = weights_out
+    return out, weights
 
 
 def additive_attention(
@@ -156,7 +185,9 @@ def additive_attention(
     # [..., L, Dq], [..., S, Dk], [..., S, Dv] -> [..., L, Dv]
     scores = additive_scores(query, key, w_query, w_key, w_score, bias)
     mask = _causal(attn_mask, is_causal, scores.shape[-2], scores.shape[-1])
-    return attention(scores, value, mask, dropout_p=dropout_p, return_weights=return_weights)
+    out, weights = attention(scores, value, mask, dropout_p=dropout_p, return_weights=True)
+    out, weights = _propagate(out, weights, _nonfinite_rows(query, key, value))
+    return (out, weights) if return_weights else out
 
 
 def _one_hot_argmax(x):
@@ -208,13 +239,15 @@ def hard_attention(
     return_weights=False,
 ):
     # [..., H, L, E], [..., Hkv, S, E], [..., Hkv, S, Ev] -> [..., H, L, Ev]
+    if scale is None and np.shape(query)[-1] == 0:
+        scale = 1.0  # E = 0: every score is 0 whatever the scale
     scores = scaled_dot_product_scores(query, key, scale)
     mask = _causal(attn_mask, is_causal, scores.shape[-2], scores.shape[-1])
     weights = hard_attention_weights(
         scores, mask, mode=mode, top_k=top_k, tau=tau, noise=noise, generator=generator
     )
-    value = _repeat_kv(_f64(value), weights.shape[-3] if weights.ndim == 4 else 1)
-    out = weights @ value
+    out = weights @ _repeat_kv(_f64(value), weights.shape[-3] if weights.ndim == 4 else 1)
+    out, weights = _propagate(out, weights, _nonfinite_rows(query, key, value))
     return (out, weights) if return_weights else out
 
 
