@@ -16,7 +16,7 @@ from torch.autograd import gradcheck
 import attnlab.kernels.cpu_flash as cf
 from attnlab import reference
 from attnlab.functional.sdpa import _eager
-from attnlab.kernels import flash_attention, supports
+from attnlab.kernels import describe, flash_attention, supports
 from attnlab.masks import causal_keep
 from conftest import np64
 
@@ -119,15 +119,19 @@ def test_dead_rows_give_zero_output_and_zero_finite_gradients(blocks):
     assert torch.equal(q.grad[:, :, dead], torch.zeros_like(q.grad[:, :, dead]))
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["widened", "bf16-gemm"])
+@pytest.mark.parametrize(
+    "dtype, native",
+    [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)],
+    ids=["bf16-widened", "bf16-gemm", "fp16-widened"],
+)
 @pytest.mark.parametrize("alignment", [None, "bottom_right"])
-def test_bfloat16_within_twice_the_control_error(blocks, monkeypatch, native, alignment):
-    """Forward and gradients in bf16: error vs float64 <= 2x the naive bf16 formula's + eps."""
-    monkeypatch.setattr(cf, "native_bf16", lambda: native)
+def test_16bit_within_twice_the_control_error(blocks, monkeypatch, dtype, native, alignment):
+    """Forward and gradients in 16 bits: error vs float64 <= 2x the naive formula's + eps."""
+    monkeypatch.setattr(cf, "native_bf16", lambda: native)  # bf16 products, if True
     B, H, Hkv, L, S, E, Ev = 2, 4, 2, 24, 20, 16, 8
     q64, k64, v64 = inputs(B, H, Hkv, L, S, E, Ev, dtype=F64, seed=3)
-    q64, k64, v64 = (t.bfloat16().double().requires_grad_() for t in (q64, k64, v64))
-    q, k, v = (t.detach().bfloat16().requires_grad_() for t in (q64, k64, v64))
+    q64, k64, v64 = (t.to(dtype).double().requires_grad_() for t in (q64, k64, v64))
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q64, k64, v64))
     mask = make_mask("bool", B, H, L, S)
     up = torch.randn(B, H, L, Ev, generator=torch.Generator().manual_seed(4))
 
@@ -138,11 +142,31 @@ def test_bfloat16_within_twice_the_control_error(blocks, monkeypatch, native, al
 
     truth = run(_eager, q64, k64, v64)
     ours = run(flash_attention, q, k, v)
-    control = run(_eager, q, k, v)  # the readable formula, in bf16
+    control = run(_eager, q, k, v)  # the readable formula, in the same dtype
     for name, t, o, c in zip(("out", "dq", "dk", "dv"), truth, ours, control, strict=True):
-        assert o.dtype == torch.bfloat16, name
+        assert o.dtype == dtype, name
         err, err_control = (o.double() - t).abs().max(), (c.double() - t).abs().max()
         assert err <= 2 * err_control + 1e-3, (name, float(err), float(err_control))
+
+
+def test_strided_inputs_and_no_grad_modes(blocks):
+    """(B, L, H, E) memory seen as (B, H, L, E), a non-contiguous gradient; no_grad, inference."""
+    q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in inputs(
+        2, 4, 2, 6, 5, 4, 3, dtype=F64))  # fmt: skip
+    assert not q.is_contiguous()
+    q.requires_grad_()
+    want = oracle(q, k, v, None, "top_left", 0.5)
+    out = flash_attention(q, k, v, None, "top_left", 0.5, 0.0)
+    np.testing.assert_allclose(out.detach().numpy(), want, rtol=0, atol=1e-12)
+    up = torch.randn(2, 6, 4, 3, dtype=F64).transpose(1, 2)  # (B, H, L, Ev), not contiguous
+    (got,) = torch.autograd.grad(out, q, up)
+    (ref,) = torch.autograd.grad(_eager(q, k, v, None, "top_left", 0.5, 0.0)[0], q, up)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            out = flash_attention(q, k, v, None, "top_left", 0.5, 0.0)
+        assert not out.requires_grad
+        np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=1e-12)
 
 
 def test_an_expanded_mask_is_sliced_not_materialised(blocks):
@@ -164,6 +188,7 @@ def test_supports():
     bias = torch.zeros(4, 4, requires_grad=True)
     assert "requires grad" in supports(q, k, v, bias, 0.0)
     assert "empty" in supports(q[:, :, :0], k, v, None, 0.0)
+    assert "1 batch row(s) x 1 kv head(s) x 2*4 query rows" in describe(q, k, v, None)
 
 
 # -- dropout ------------------------------------------------------------------------------------

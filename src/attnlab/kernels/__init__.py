@@ -2,12 +2,13 @@
 
 * :mod:`attnlab.kernels.cpu_flash` -- blocked ("flash") attention on CPU in torch ops, forward
   and backward, with dropout inside the blocks: ``flash_attention(q, k, v, mask, alignment,
-  scale, dropout_p, generator=None)`` and ``supports(q, k, v, mask, dropout_p)``.
+  scale, dropout_p, generator=None)``, ``supports(q, k, v, mask, dropout_p)`` (None, or why
+  not) and ``describe(q, k, v, alignment)`` (the tiling in one line, for ``explain()``).
 
 The kernels depend on nothing above them (no ``attnlab.functional`` import): the dispatch in
 :mod:`attnlab.functional.sdpa` checks inputs and applies the NaN policy around them.
 """
 
-from attnlab.kernels.cpu_flash import flash_attention, supports
+from attnlab.kernels.cpu_flash import describe, flash_attention, supports
 
-__all__ = ["flash_attention", "supports"]
+__all__ = ["describe", "flash_attention", "supports"]

@@ -11,32 +11,38 @@ Math (per head; ``s`` the scale, ``M`` 0 / -inf from the mask and the causal tri
 
 A row with no attendable key gets ``lse = +inf``, so its ``P`` row is 0: output 0, gradients 0.
 
-Tiling. One block is a range of query rows (``BLOCK_ROWS`` per head) of several whole heads
-(a batch row's kv heads, or several batch rows), against **every key that block can see** --
-not a loop over key blocks with an online softmax: on a CPU the scores of a block fit in cache
-(``BLOCK_BYTES``), so each block's softmax is exact in one pass and every matrix product is one
-large ``bmm`` instead of many small ones (Python pays per op, the GEMM per call)::
+Tiling. A block is a range of query rows (``BLOCK_ROWS`` per head) of several whole kv heads
+(of one batch row, or of several), against **every key the block can see** at once -- no loop
+over key blocks with an online softmax: on a CPU a block of scores fits in cache
+(``BLOCK_BYTES``), so its softmax is exact in one pass and each product is one large ``bmm``
+(Python pays per op; a GEMM pays per call)::
 
-                 keys 0 ........... kmax            S
-    rows r0..r1  [ Q_blk K^T  | triangle ]  (skipped) ]   kmax = last key the block sees
-    heads h0..h1   G query heads of kv head j are stacked as G * BLOCK_ROWS rows (GQA folding)
+                 keys 0 ..................... kmax ........ S
+    rows r0..r1  [ s Q_blk K^T, all at once | triangle ]  skipped     (causal: kmax = r1 + S - L
+    G heads of kv head j stacked as G*R rows (GQA folding)              bottom-right, r1 top-left)
 
-Causal blocks stop at ``kmax`` (half the work at L = S); only the columns past the block's first
-row get the triangle, built from positions (never the (L, S) mask). The forward saves Q, K, V, O
-and the row ``lse`` (B, H, L); the backward recomputes ``P`` block by block from ``lse`` and
-accumulates dK, dV (the G heads of a group summed by the folding) in float32.
+Causal blocks stop at ``kmax`` (half the work at L = S); only columns past the block's first
+row get the triangle, built from positions (never the (L, S) mask). A mask is sliced per block
+from its broadcast shape. The forward saves Q, K, V, O and the row ``lse`` (B, H, L); the
+backward recomputes ``P`` block by block from ``lse``. Scores are kept in base 2 (``log2(e) s``
+folded into Q, ``exp2`` is ~2x faster than ``exp`` on CPU).
+
+Threads (:mod:`attnlab.kernels._threads`): ``torch.get_num_threads()`` Python threads each run
+whole blocks single-threaded. Forward: a thread takes the next block. Backward: a thread owns a
+group of kv heads with all its row blocks, so dK, dV (float32) add up without locks.
 
 Dtypes: softmax statistics in float32 (float64 for float64 inputs, which is how the gradcheck
-test runs; :func:`supports` refuses float64 for dispatch). The matrix products run in bfloat16
-only where the CPU has native bf16 GEMMs (AMX / AVX512-BF16); elsewhere (e.g. AVX2, where a
-bf16 ``bmm`` runs at < 1 GFLOP/s) 16-bit inputs are widened to float32 once per call.
+test runs; :func:`supports` refuses float64 for dispatch). Products run in bfloat16 only where
+the CPU has native bf16 GEMMs (AMX / AVX512-BF16), dK and dV accumulating in float32; elsewhere
+(AVX2, where a bf16 ``bmm`` runs at < 1 GFLOP/s) 16-bit inputs are widened to float32 once.
 
 Dropout: one int64 seed per call (from ``generator`` or torch's default generator); block
 ``n`` draws its keep mask from ``torch.Generator().manual_seed(seed + n)``, so the backward
-regenerates exactly the forward's mask and nothing of size (B, H, L, S) is stored.
+regenerates exactly the forward's mask and nothing of size (B, H, L, S) is stored. The draws
+depend on the tiling: the same seed gives the same mask for the same shapes and block sizes.
 
-Bound: the 4 (forward 2) GEMMs of the backward plus the forward's at the CPU's GEMM rate, plus
-~10 passes over each block of scores (exp, masks, dropout draws) from cache.
+Bound: 7 GEMMs of 2 B H L S E FLOP each (2 forward; backward: S again, dV, dP, dQ, dK) at the
+CPU's GEMM rate, plus ~10 passes over each block of scores in cache (exp2, masks, draws).
 
 References: Dao et al., "FlashAttention", 2022; Dao, "FlashAttention-2", 2023.
 Oracle: :func:`attnlab.reference.scaled_dot_product_attention`.
@@ -46,14 +52,14 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from torch.autograd.function import once_differentiable
+
+from attnlab.kernels._threads import in_threads, scratch_view
 
 BLOCK_ROWS = 256  # query rows per head in one block (measured: 64-512 within noise, 256 best)
 BLOCK_BYTES = 2 * 2**20  # float32 scores of one block (at least one head x G*BLOCK_ROWS x S)
-PARALLEL_BLOCKS = True  # blocks on Python threads (see _in_threads), not one op at a time
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 inf = float("inf")
 
@@ -80,6 +86,17 @@ def supports(q, k, v, mask, dropout_p) -> str | None:
     if mask is not None and mask.requires_grad:
         return "a float mask that requires grad: the kernel gives no gradient for the mask"
     return None
+
+
+def describe(q, k, v, alignment) -> str:
+    """The tiling of a call in one line (for ``explain()``)."""
+    plan = _Plan(q, k, v, None, alignment, 1.0, 0.0, 0)
+    products = "bfloat16" if plan.mm_dtype == torch.bfloat16 else "float32"
+    return (
+        f"blocked CPU kernel: {plan.batches} batch row(s) x {plan.heads} kv head(s) x "
+        f"{plan.G}*{plan.rows} query rows x every visible key per block, {products} products, "
+        f"{torch.get_num_threads()} thread(s); saves the row log-sum-exp, not the weights"
+    )
 
 
 def flash_attention(q, k, v, mask, alignment, scale, dropout_p, generator=None):
@@ -112,13 +129,13 @@ class _Plan:
             B, H, Hkv, H // Hkv, L, S, E, Ev,
         )  # fmt: skip
         self.dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # softmax
-        wide = q.dtype == torch.bfloat16 and native_bf16()
-        self.mm_dtype = q.dtype if q.dtype == torch.float64 or wide else torch.float32
+        native = q.dtype == torch.bfloat16 and native_bf16()  # else products in float32
+        self.mm_dtype = q.dtype if q.dtype == torch.float64 or native else torch.float32
         self.offset = None if alignment is None else (S - L if alignment == "bottom_right" else 0)
         self.rows = min(L, BLOCK_ROWS)
         per_head = self.G * self.rows * S * 4  # bytes of one kv head's scores in a block
         if per_head * Hkv <= BLOCK_BYTES:  # several batch rows, all heads
-            self.batches, self.heads = max(1, BLOCK_BYTES // (per_head * Hkv)), Hkv
+            self.batches, self.heads = min(B, max(1, BLOCK_BYTES // (per_head * Hkv))), Hkv
         else:  # one batch row, some heads
             self.batches, self.heads = 1, max(1, BLOCK_BYTES // per_head)
         self.scale, self.scale2 = scale, scale * LOG2E  # 2^(x log2 e) = e^x: exp2 is ~2x faster
@@ -150,18 +167,23 @@ class _Plan:
         self.q = q.detach().to(self.mm_dtype).view(B, Hkv, G, L, E)  # (B, H, L, E) -> 5-D
         self.k, self.v = k.detach().to(self.mm_dtype), v.detach().to(self.mm_dtype)
 
-    def scores(self, bs, js, r0, r1, kmax, scratch):
-        """Block scores in base 2, ``log2(e) s Q K^T + M``, (n, G*R, kmax), -inf = masked.
+    def scores(self, bs, js, r0, r1, kmax, scratch, shift=None):
+        """Block scores in base 2, ``log2(e) s Q K^T + M - shift``, (n, G*R, kmax), -inf = masked.
 
+        ``shift`` (n, G*R, 1) is subtracted inside the GEMM (``baddbmm``: no pass of its own).
         Also returns the block's (n, G*R, E) ``log2(e) s Q`` (G heads stacked, GQA folding).
         """
         nb, nh, R = bs.stop - bs.start, js.stop - js.start, r1 - r0
-        qb = _scratch(scratch, "q", (nb, nh, self.G, R, self.E), self.mm_dtype)
+        qb = scratch_view(scratch, "q", (nb, nh, self.G, R, self.E), self.mm_dtype)
         torch.mul(self.q[bs, js, :, r0:r1], self.scale2, out=qb)
         qb = qb.view(nb * nh, self.G * R, self.E)  # (n, G*R, E)
         kb = self.k[bs, js, :kmax].flatten(0, 1)  # (n, kmax, E)
-        s = _scratch(scratch, "s", (nb * nh, self.G * R, kmax), self.mm_dtype)
-        s = torch.bmm(qb, kb.transpose(1, 2), out=s).to(self.dtype)
+        s = scratch_view(scratch, "s", (nb * nh, self.G * R, kmax), self.mm_dtype)
+        if shift is not None and self.mm_dtype == self.dtype:
+            s = torch.baddbmm(shift.neg().expand(s.shape), qb, kb.transpose(1, 2), out=s)
+        else:  # (bf16 products: the shift in float32, after)
+            s = torch.bmm(qb, kb.transpose(1, 2), out=s).to(self.dtype)
+            s = s if shift is None else s.sub_(shift)
         s5 = s.view(nb, nh, self.G, R, kmax)
         if self.mask is not None:
             m = self.mask
@@ -181,11 +203,17 @@ class _Plan:
                 s5[..., c0:].masked_fill_(hidden, -inf)
         return s, qb
 
-    def dropped(self, n, shape, scratch):
-        """Block n's dropout, bool (True = dropped): the same draws in forward and backward."""
-        g = torch.Generator().manual_seed(self.seed + n)
-        u = _scratch(scratch, "u", shape, self.dtype).uniform_(generator=g)
-        return torch.lt(u, self.p, out=_scratch(scratch, "d", shape, torch.bool))
+    def kept(self, n, shape, scratch):
+        """Block n's dropout keep mask (bool): the same draws in forward and backward.
+
+        Each 64-bit draw gives two uniform int32 ``x``; kept iff ``x >= -2^31 + p 2^32`` (p is
+        rounded to a multiple of 2^-32, finer than ``torch.rand``'s 2^-24; 1.6x faster).
+        """
+        g, size = torch.Generator().manual_seed(self.seed + n), math.prod(shape)
+        bits = scratch_view(scratch, "r", ((size + 1) // 2,), torch.int64)
+        x = bits.random_(-(2**63), None, generator=g).view(torch.int32)[:size].view(shape)
+        keep = scratch_view(scratch, "k", shape, torch.bool)
+        return torch.ge(x, -(2**31) + round(self.p * 2**32), out=keep)
 
     def forward_block(self, task, out, lse, scratch):
         """Output rows and their (base 2) lse of one block: exact softmax over keys 0:kmax."""
@@ -201,14 +229,18 @@ class _Plan:
         s.sub_(m).exp2_()
         total = s.sum(-1, keepdim=True)
         if self.p > 0:  # lse is of the undropped weights; the dropped ones are zeroed
-            s.masked_fill_(self.dropped(n, s.shape, scratch), 0.0)
+            s.mul_(self.kept(n, s.shape, scratch))
         o = torch.bmm(s.to(self.mm_dtype), self.v[bs, js, :kmax].flatten(0, 1))  # (n, G*R, Ev)
         norm = total.reciprocal().masked_fill_(dead, 0.0) / (1.0 - self.p)
         out[bs, js, :, r0:r1] = o.mul_(norm).view(*shape4, self.Ev)
         lse[bs, js, :, r0:r1] = (m + total.log2()).masked_fill_(dead, inf).view(shape4)
 
     def backward_group(self, group, do, D, lse2, dq, dk, dv, scratch):
-        """dQ of the group's rows, and its kv heads' dK, dV summed over its row blocks."""
+        """dQ of the group's rows, and its kv heads' dK, dV summed over its row blocks.
+
+        With dropout, every product here misses the factor 1 / (1 - p) (``D`` is given times
+        1 - p): dQ gets it with the scale, dK and dV once at the end.
+        """
         bs, js, blocks = group
         G, E, Ev, p, mm = self.G, self.E, self.Ev, self.p, self.mm_dtype
         for n, r0, r1, kmax in blocks:
@@ -216,61 +248,30 @@ class _Plan:
             if kmax <= 0:
                 dq[bs, js, :, r0:r1] = 0.0
                 continue
-            s, qb = self.scores(bs, js, r0, r1, kmax, scratch)
             R = G * (r1 - r0)
-            P = s.sub_(lse2[bs, js, :, r0:r1].reshape(-1, R, 1)).exp2_()  # (n, G*R, kmax)
+            lse_b = lse2[bs, js, :, r0:r1].reshape(-1, R, 1)  # (n, G*R, 1)
+            D_b = D[bs, js, :, r0:r1].reshape(-1, R, 1)
+            s, qb = self.scores(bs, js, r0, r1, kmax, scratch, shift=lse_b)
+            P = s.exp2_()  # (n, G*R, kmax)
             dob = do[bs, js, :, r0:r1].reshape(-1, R, Ev)  # (n, G*R, Ev)
             kb, vb = self.k[bs, js, :kmax].flatten(0, 1), self.v[bs, js, :kmax].flatten(0, 1)
             W = P
             if p > 0:
-                dropped = self.dropped(n, P.shape, scratch)
-                W = torch.mul(P, 1.0 / (1.0 - p), out=_scratch(scratch, "w", P.shape, P.dtype))
-                W.masked_fill_(dropped, 0.0)
+                keep = self.kept(n, P.shape, scratch)
+                W = torch.mul(P, keep, out=scratch_view(scratch, "w", P.shape, P.dtype))
             dv_blk = dv[bs, js, :kmax].view(-1, kmax, Ev)  # (n, kmax, Ev), a view (never a copy)
-            _accumulate(dv_blk, W.transpose(1, 2), dob)  # += W^T dO
-            dp = _scratch(scratch, "dp", P.shape, mm)
-            dp = torch.bmm(dob, vb.transpose(1, 2), out=dp).to(self.dtype)  # dO V^T
-            if p > 0:
-                dp.masked_fill_(dropped, 0.0).mul_(1.0 / (1.0 - p))
-            dS = dp.sub_(D[bs, js, :, r0:r1].reshape(-1, R, 1)).mul_(P)  # P * (dP - D)
-            dq[bs, js, :, r0:r1] = torch.bmm(dS.to(mm), kb).mul_(self.scale).view(shape5)
+            _accumulate(dv_blk, W.transpose(1, 2), dob)  # += (P Z)^T dO
+            dp = scratch_view(scratch, "dp", P.shape, mm)
+            if p > 0 or mm != self.dtype:
+                dp = torch.bmm(dob, vb.transpose(1, 2), out=dp).to(self.dtype)  # dO V^T
+                dp = dp.mul_(keep).sub_(D_b) if p > 0 else dp.sub_(D_b)
+            else:  # dO V^T - D in one GEMM
+                dp = torch.baddbmm(D_b.neg().expand(dp.shape), dob, vb.transpose(1, 2), out=dp)
+            dS = dp.mul_(P)  # P * (dP - D)
+            dq_b = torch.bmm(dS.to(mm), kb).mul_(self.scale / (1.0 - p))
+            dq[bs, js, :, r0:r1] = dq_b.view(shape5)
             dk_blk = dk[bs, js, :kmax].view(-1, kmax, E)
             _accumulate(dk_blk, dS.transpose(1, 2), qb)  # += dS^T (log2(e) s Q)
-
-
-def _in_threads(tasks, work):
-    """``work(task, scratch)`` for every task, on torch.get_num_threads() Python threads.
-
-    Each thread takes the next task when it is done with one, runs torch single-threaded and
-    keeps its own scratch: on a CPU shared with other processes, one OpenMP parallel region per
-    op waits for its slowest thread at every op, while whole blocks per thread do not.
-    """
-    threads = min(torch.get_num_threads(), len(tasks))
-    if threads <= 1 or not PARALLEL_BLOCKS:
-        scratch = {}
-        for task in tasks:
-            work(task, scratch)
-        return
-    todo, lock = iter(tasks), threading.Lock()
-
-    def worker():
-        torch.set_num_threads(1)
-        scratch = {}
-        with torch.no_grad():
-            while True:
-                with lock:
-                    task = next(todo, None)
-                if task is None:
-                    return
-                work(task, scratch)
-
-    outer = torch.get_num_threads()
-    try:
-        with ThreadPoolExecutor(threads) as pool:
-            for f in [pool.submit(worker) for _ in range(threads)]:
-                f.result()
-    finally:
-        torch.set_num_threads(outer)  # MKL's thread count is global: give it back
 
 
 def _accumulate(dst, a, b):
@@ -280,15 +281,6 @@ def _accumulate(dst, a, b):
     dK, dV would collect one such rounding per row block (2x the naive formula's error).
     """
     dst.baddbmm_(a.to(dst.dtype), b.to(dst.dtype))  # (no copies when already float32)
-
-
-def _scratch(scratch, name, shape, dtype):
-    """A contiguous (shape) view of the thread's reusable flat buffer ``name`` (grown on need)."""
-    size = math.prod(shape)
-    buf = scratch.get(name)
-    if buf is None or buf.numel() < size or buf.dtype != dtype:
-        buf = scratch[name] = torch.empty(size, dtype=dtype)
-    return buf[:size].view(shape)
 
 
 def _mask5(mask, plan, device):
@@ -322,36 +314,37 @@ class _FlashAttention(torch.autograd.Function):
         out = q.new_empty(B, Hkv, G, L, plan.Ev)
         lse = torch.full((B, Hkv, G, L), inf, dtype=plan.dtype)  # base 2 here; +inf: dead row
         blocks = [(bs, js, b) for bs, js, rows in plan.groups() for b in rows]
-        _in_threads(blocks, lambda task, scratch: plan.forward_block(task, out, lse, scratch))
+        in_threads(blocks, lambda task, scratch: plan.forward_block(task, out, lse, scratch))
         out = out.view(B, plan.H, L, plan.Ev)
         lse = lse.mul_(LN2).view(B, plan.H, L)  # natural log: the row log-sum-exp of the scores
         plan.q = plan.k = plan.v = None  # the backward reloads from the saved inputs
-        ctx.save_for_backward(q, k, v, out, lse, plan.mask)
-        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan  # (and its mask, already inverted / in base 2)
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse, mask = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
-        plan.mask = mask
         plan.load(q, k, v)
         B, Hkv, G, L, S, E, Ev = plan.B, plan.Hkv, plan.G, plan.L, plan.S, plan.E, plan.Ev
         acc = plan.dtype
         lse2 = (lse * LOG2E).view(B, Hkv, G, L)
         do = dout.to(plan.mm_dtype).reshape(B, Hkv, G, L, Ev)  # (B, H, L, Ev) -> 5-D
         D = (do.to(acc) * out.to(acc).view(B, Hkv, G, L, Ev)).sum(-1)  # rowsum(dO * O)
+        D.mul_(1.0 - plan.p)  # (see backward_group)
         dq = torch.empty(B, Hkv, G, L, E, dtype=acc)
         dk = torch.zeros(B, Hkv, S, E, dtype=acc)
         dv = torch.zeros(B, Hkv, S, Ev, dtype=acc)
-        _in_threads(  # one thread per group of kv heads: dK, dV are summed over row blocks
+        in_threads(  # one thread per group of kv heads: dK, dV are summed over row blocks
             plan.groups(),
             lambda g, scratch: plan.backward_group(g, do, D, lse2, dq, dk, dv, scratch),
         )
-        plan.mask = plan.q = plan.k = plan.v = None
+        plan.q = plan.k = plan.v = None
         return (
             dq.view(B, plan.H, L, E).to(q.dtype),
-            dk.mul_(LN2).to(k.dtype),  # qb carried log2(e): take it back out
-            dv.to(v.dtype),
+            dk.mul_(LN2 / (1.0 - plan.p)).to(k.dtype),  # qb carried log2(e): take it back out
+            dv.mul_(1.0 / (1.0 - plan.p)).to(v.dtype),
             None, None, None, None, None,
         )  # fmt: skip

@@ -1,0 +1,59 @@
+"""Running blocks of a kernel on Python threads, each with its own reusable scratch buffers.
+
+Why not torch's own intra-op threads: each torch op is one OpenMP parallel region that waits for
+its slowest thread. A blocked kernel issues ~20 ops per block; on a CPU shared with other
+processes (2 vCPUs here) a stalled thread stalls every one of them -- measured: 2 OpenMP threads
+2x to 5x slower than 1. Whole blocks per Python thread (torch ops release the GIL), each thread
+running torch single-threaded, do not wait for each other between ops.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+PARALLEL = True  # False: one block at a time, torch's intra-op threads inside each op
+
+
+def in_threads(tasks, work):
+    """``work(task, scratch)`` for every task: each of torch.get_num_threads() Python threads
+    takes the next task when done with one, runs torch single-threaded, keeps its own scratch."""
+    threads = min(torch.get_num_threads(), len(tasks))
+    if threads <= 1 or not PARALLEL:
+        scratch = {}
+        for task in tasks:
+            work(task, scratch)
+        return
+    todo, lock = iter(tasks), threading.Lock()
+    inference = torch.is_inference_mode_enabled()  # thread-local: the workers follow the caller
+
+    def worker():
+        torch.set_num_threads(1)
+        scratch = {}
+        with torch.inference_mode(inference), torch.no_grad():
+            while True:
+                with lock:
+                    task = next(todo, None)
+                if task is None:
+                    return
+                work(task, scratch)
+
+    outer = torch.get_num_threads()
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            for f in [pool.submit(worker) for _ in range(threads)]:
+                f.result()
+    finally:
+        torch.set_num_threads(outer)  # MKL's thread count is global: give it back
+
+
+def scratch_view(scratch, name, shape, dtype):
+    """A contiguous (shape) view of the thread's reusable flat buffer ``name`` (grown on need)."""
+    size = math.prod(shape)
+    buf = scratch.get(name)
+    if buf is None or buf.numel() < size or buf.dtype != dtype:
+        buf = scratch[name] = torch.empty(size, dtype=dtype)
+    return buf[:size].view(shape)
