@@ -140,7 +140,7 @@ class _Plan:
             self.batches, self.heads = 1, max(1, BLOCK_BYTES // per_head)
         self.scale, self.scale2 = scale, scale * LOG2E  # 2^(x log2 e) = e^x: exp2 is ~2x faster
         self.p, self.seed = dropout_p, seed
-        self.mask = _mask5(mask, self, q.device)
+        self.mask = _mask5(mask, self)
 
     def groups(self):
         """[(b-slice, j-slice, [(n, r0, r1, kmax), ...])]: kv heads, and their row blocks.
@@ -193,8 +193,8 @@ class _Plan:
             m = m[..., :kmax] if m.shape[4] > 1 else m
             if m.dtype == torch.bool:  # True = masked here (inverted once, see _mask5)
                 s5.masked_fill_(m, -inf)
-            else:
-                s5.add_(m)
+            else:  # the bias, in base 2, in the softmax dtype (no copy of the mask)
+                s5.add_(m, alpha=LOG2E)
         if self.offset is not None:  # keys past the block's first row: the triangle
             c0 = max(0, r0 + self.offset + 1)
             if c0 < kmax:
@@ -283,11 +283,11 @@ def _accumulate(dst, a, b):
     dst.baddbmm_(a.to(dst.dtype), b.to(dst.dtype))  # (no copies when already float32)
 
 
-def _mask5(mask, plan, device):
+def _mask5(mask, plan):
     """The mask as (Bm, Hkv|1, G|1, L|1, S|1), its broadcast dims of size 1 (nothing expanded).
 
-    A bool mask is inverted (True = masked); a bias is cast to the softmax dtype and taken to
-    base 2 (times log2 e), once.
+    A bool mask is inverted once (True = masked: one byte per element of its own shape); a bias
+    is used as it is.
     """
     if mask is None:
         return None
@@ -300,9 +300,7 @@ def _mask5(mask, plan, device):
         mask = mask.view(Bm, plan.Hkv, plan.G, Lm, Sm)
     else:
         mask = mask.view(Bm, 1, 1, Lm, Sm)
-    if mask.dtype == torch.bool:
-        return ~mask
-    return mask.to(device=device, dtype=plan.dtype) * LOG2E
+    return ~mask if mask.dtype == torch.bool else mask
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -319,7 +317,7 @@ class _FlashAttention(torch.autograd.Function):
         lse = lse.mul_(LN2).view(B, plan.H, L)  # natural log: the row log-sum-exp of the scores
         plan.q = plan.k = plan.v = None  # the backward reloads from the saved inputs
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan  # (and its mask, already inverted / in base 2)
+        ctx.plan = plan  # (and its mask: the caller's bias, or its bool mask inverted)
         return out
 
     @staticmethod
