@@ -10,8 +10,11 @@
   memory is one block (not the several (B, H, L, S) temporaries of the textbook formula). Used
   when weights are requested; with autograd (float32/float64) its backward recomputes each
   block's weights from the row log-sum-exp (:mod:`attnlab.functional._weights`).
-* **eager** -- the readable formula ``masked_softmax(Q K^T * scale) V``, used with dropout on
-  CPU (torch's CPU kernel has no dropout), and for 16-bit weights that need gradients.
+* **cpu_flash** -- attnlab's blocked CPU kernel (:mod:`attnlab.kernels.cpu_flash`), where
+  torch's CPU kernel falls short: dropout (torch's has none and falls back to its math path)
+  and 16-bit training (torch's bf16 backward is slower than its float32 one).
+* **eager** -- the readable formula ``masked_softmax(Q K^T * scale) V``: weights with dropout,
+  16-bit weights that need gradients, and what the blocked kernel does not take.
 
 Both paths compute the same function: float64 results agree with the NumPy oracle
 :func:`attnlab.reference.scaled_dot_product_attention` to rounding. Which path ran and why is
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from attnlab import kernels
 from attnlab._checks import (
     causal_alignment,
     check_bias_range,
@@ -46,7 +50,7 @@ from attnlab.functional._layout import (
     with_causal,
 )
 from attnlab.functional._weights import WeightsAttention, block_shape, weights_in_blocks
-from attnlab.functional.softmax import masked_softmax
+from attnlab.functional.softmax import LOW_PRECISION, masked_softmax
 from attnlab.masks import plain
 
 inf = float("inf")
@@ -60,7 +64,7 @@ GRAD_WEIGHTS_DTYPES = (torch.float32, torch.float64)
 
 @dataclass(frozen=True)
 class Dispatch:
-    """The path a call takes (``"fused"``, ``"weights"`` or ``"eager"``) and the reasons."""
+    """A call's path (``"fused"``, ``"cpu_flash"``, ``"weights"`` or ``"eager"``) and why."""
 
     path: str
     reasons: tuple[str, ...]
@@ -74,6 +78,10 @@ _FUSED = Dispatch("fused", ("torch F.scaled_dot_product_attention",))
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _trains_16bit(query, key, value) -> bool:
+    return query.dtype in LOW_PRECISION and _needs_grad(query, key, value)
 
 
 def _choose(
@@ -129,14 +137,26 @@ def _choose(
                 f"S){backward}",
             ),
         )
-    if dropout_p > 0 and query.device.type == "cpu":
-        return Dispatch(
-            "eager",
-            (
-                "dropout_p > 0 on CPU -- torch's fused CPU kernel has no dropout and would fall "
-                "back to its own math path",
-            ),
+    if query.device.type == "cpu" and (dropout_p > 0 or _trains_16bit(query, key, value)):
+        # Measured in benchmarks/bench_core.py (--only flash): the blocked kernel trains bf16 at
+        # 0.22-0.29x torch's time and runs dropout at 0.5-0.67x its time and 1/4 its memory;
+        # torch stays faster in float32 without dropout (kernel 1.1-1.5x), so it keeps those.
+        why = (
+            "dropout_p > 0 on CPU: torch's fused CPU kernel has no dropout (its math path is "
+            "slower and holds (B, H, L, S))"
+            if dropout_p > 0
+            else f"{query.dtype} with autograd on CPU: torch's kernel trains 16-bit attention "
+            "slower than float32"
         )
+        unfit = (
+            "under torch.compile (its graph keeps torch's ops)"
+            if torch.compiler.is_compiling()
+            else kernels.supports(query, key, value, attn_mask, dropout_p)
+        )
+        if unfit is None:
+            return Dispatch("cpu_flash", (why, kernels.describe(query, key, value, alignment)))
+        if dropout_p > 0:
+            return Dispatch("eager", (why, f"attnlab's blocked kernel does not serve: {unfit}"))
     if not why:
         return _FUSED
     reasons = ["torch F.scaled_dot_product_attention"]
@@ -274,6 +294,8 @@ def scaled_dot_product_attention(
     weights = None
     if decision.path == "fused":
         out = _fused(q, k, v, mask, alignment, scale, dropout_p)
+    elif decision.path == "cpu_flash":
+        out = kernels.flash_attention(q, k, v, mask, alignment, scale, dropout_p)
     elif decision.path == "weights" and _needs_grad(q, k, v):
         out, weights = WeightsAttention.apply(
             q, k, v, mask, alignment, scale, return_weights == "average"
