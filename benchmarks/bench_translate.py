@@ -20,11 +20,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import attnlab.kernels  # noqa: E402
 from attnlab.data import load_bible  # noqa: E402
 from attnlab.translate.batching import (  # noqa: E402
     collate,
@@ -55,6 +57,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--without-kernel",
+        action="store_true",
+        help="also train each model with attnlab's blocked CPU kernel turned off (the path "
+        "attention took before it), in the same rounds: before/after in one run",
+    )
     args = parser.parse_args()
 
     pairs = load_bible("train")[:4000]
@@ -75,7 +83,10 @@ def main() -> int:
         m = build_model(model_config(kind, attention, args.size), tok.vocab_size)
         models[name] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4))
 
-    def train_step(m, opt):
+    def train_step(m, opt, kernel=True):
+        if not kernel:  # the dispatch then takes the path it took before the kernel existed
+            with mock.patch.object(attnlab.kernels, "supports", lambda *a: "turned off"):
+                return train_step(m, opt)
         m.train()
         loss = token_loss(m(batch.src, batch.src_lengths, batch.tgt_in), batch.tgt_out)
         (loss / batch.num_tokens).backward()
@@ -99,18 +110,24 @@ def main() -> int:
                 results.setdefault((name, threads, "train"), []).append(
                     batch.num_tokens / (time.perf_counter() - t)
                 )
+                if args.without_kernel:
+                    t = time.perf_counter()
+                    train_step(m, opt, kernel=False)
+                    results.setdefault((name, threads, "train, no kernel"), []).append(
+                        batch.num_tokens / (time.perf_counter() - t)
+                    )
                 for weights in (False, True):
                     t = time.perf_counter()
                     n = decode(m, weights)
                     key = (name, threads, "decode+weights" if weights else "decode")
                     results.setdefault(key, []).append(n / (time.perf_counter() - t))
     print(
-        f"{'model':24} {'params':>9} {'threads':>7} {'what':>15} {'median tok/s':>13} {'best':>9}"
+        f"{'model':24} {'params':>9} {'threads':>7} {'what':>17} {'median tok/s':>13} {'best':>9}"
     )
     for (name, threads, what), v in results.items():
         params = count_parameters(models[name][0])
         print(
-            f"{name:24} {params:9,} {threads:7} {what:>15} {statistics.median(v):13,.0f} "
+            f"{name:24} {params:9,} {threads:7} {what:>17} {statistics.median(v):13,.0f} "
             f"{max(v):9,.0f}"
         )
     if args.profile:
