@@ -166,6 +166,46 @@ def bench_weights(rounds: int) -> None:
             )
         print(ratio_line(f"return_weights vs naive {shape}", stats, "weights", "naive"))
         print(ratio_line(f"return_weights vs without {shape}", stats, "weights", "no-weights"))
+    header(
+        "weights on demand vs the same call without weights (float32): per head into a fresh "
+        "tensor, into a reused weights_out (target <= 1.5x at (4, 8, 1024, 64), 1 thread), "
+        "averaged; and with autograd, forward+backward (target <= 1.5x at L = 1024)"
+    )
+    for shape in SDPA_SHAPES[:2]:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(*shape, generator=g) for _ in range(3))
+        buffer = torch.empty(*shape[:3], shape[2])
+        call = AF.scaled_dot_product_attention
+        with torch.inference_mode():
+            stats = round_robin(
+                {
+                    "no-weights": lambda: call(q, k, v),
+                    "per-head": lambda: call(q, k, v, return_weights=True),
+                    "weights_out": lambda: call(q, k, v, return_weights=True, weights_out=buffer),
+                    "average": lambda: call(q, k, v, return_weights="average"),
+                },
+                rounds=rounds,
+            )
+        for case in ("per-head", "weights_out", "average"):
+            print(ratio_line(f"{case} vs without {shape}", stats, case, "no-weights"))
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+        def train(rw):
+            out = call(qg, kg, vg, return_weights=rw)
+            loss = out[0].sum() + out[1].sum() if rw else out.sum()
+            loss.backward()
+            qg.grad = kg.grad = vg.grad = None
+
+        stats = round_robin(
+            {
+                "no-weights": lambda: train(False),
+                "per-head": lambda: train(True),
+                "average": lambda: train("average"),
+            },
+            rounds=rounds,
+        )
+        for case in ("per-head", "average"):
+            print(ratio_line(f"fwd+bwd {case} vs without {shape}", stats, case, "no-weights"))
 
 
 def bench_additive(rounds: int, skip_naive: bool) -> None:
