@@ -18,7 +18,7 @@ Every name here is imported on first use (``attnlab.translate.load_run(...)`` af
 
 from __future__ import annotations
 
-import importlib
+from attnlab._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -56,15 +56,4 @@ _EXPORTS = {
 
 __all__ = ["__version__", *_EXPORTS]
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'attnlab' has no attribute {name!r}")
-    module = importlib.import_module(_EXPORTS[name])
-    value = module if module.__name__ == f"attnlab.{name}" else getattr(module, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -7,13 +7,8 @@
 Nothing is imported here: each integration imports its library only when it is used.
 """
 
-import importlib
+from attnlab._lazy import lazy_exports
 
-_SUBMODULES = ("transformers", "hf_examples")
-
-
-def __getattr__(name: str):
-    # attnlab.integrations.transformers after a plain `import attnlab` (imported on first use)
-    if name not in _SUBMODULES:
-        raise AttributeError(f"module 'attnlab.integrations' has no attribute {name!r}")
-    return importlib.import_module(f"attnlab.integrations.{name}")
+# attnlab.integrations.transformers after a plain `import attnlab` (imported on first use)
+_EXPORTS = {name: f"attnlab.integrations.{name}" for name in ("transformers", "hf_examples")}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

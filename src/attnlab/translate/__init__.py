@@ -23,7 +23,7 @@ which live in this package) build without importing torch.
 
 from __future__ import annotations
 
-import importlib
+from attnlab._lazy import lazy_exports
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -34,14 +34,4 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'attnlab.translate' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

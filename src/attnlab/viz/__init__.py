@@ -28,7 +28,7 @@ version in the metadata).
 
 from __future__ import annotations
 
-import importlib
+from attnlab._lazy import lazy_exports
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -54,14 +54,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'attnlab.viz' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
