@@ -50,6 +50,9 @@ _EXPORTS = {
     "build_explorer": "attnlab.viz.explorer",
     "write_explorer": "attnlab.viz.explorer",
     "save_figure": "attnlab.viz._mpl",
+    "head_pattern": "attnlab.viz.patterns",
+    "head_patterns": "attnlab.viz.patterns",
+    "HeadPattern": "attnlab.viz.patterns",
 }
 
 __all__ = sorted(_EXPORTS)
