@@ -98,8 +98,20 @@ def test_cache_and_rope_examples():
     assert abs(s[(3, 1)] - s[(3, 0)]) > 1e-3
 
 
-def test_real_model_example():
+def test_real_model_example_shows_a_content_head_not_a_positional_one():
     r, text = examples.real_model_weights()
-    assert r["attends_most"] == "river"  # layer 0, head 2: "bank" looks at "river"
     assert r["max_abs_diff_vs_eager"] < 1e-5
-    assert "river" in text
+    # layer 0 head 2 gives "bank" -> "river" 1.00, but only because "river" is the previous
+    # token: moved 7 tokens away, it gets nothing. The example must not show that head.
+    assert r["patterns"][0][2].label == "previous-token"
+    assert r["positional"][0] > 0.99 and r["positional"][1] < 0.01
+    assert (r["layer"], r["head"]) != (0, 2)
+    assert r["content_driven"] and r["label"] == "content"
+    assert r["patterns"][r["layer"]][r["head"]].label == "content"
+    near, far = r["follows"]  # the shown head's weight follows "river" when it moves
+    assert near >= 0.25 and far >= 0.25
+    assert r["attends_most"] == "river"
+    assert f"layer {r['layer']}, head {r['head']} (content" in text
+    assert f"{near:.3f} next to it, {far:.3f} when" in text
+    assert "layer 0   broad content    prev" in text  # the label table, layer 0 row
+    assert "positional" not in text.split("Which heads")[1].split("\n")[1]

@@ -205,7 +205,11 @@ def rope_relative() -> tuple[dict, str]:
 
 
 def real_model_weights() -> tuple[dict, str]:
-    """Attention weights of a real pretrained model (MiniLM) computed by attnlab's kernels."""
+    """Attention weights of a real pretrained model (MiniLM) computed by attnlab's kernels.
+
+    Every head gets a head-pattern label; the head shown for "bank" -> "river" is a content head
+    whose weight follows "river" when it moves (or the report says the head is positional).
+    """
     from attnlab.integrations.hf_examples import weights_from_real_model
 
     return weights_from_real_model()
@@ -218,7 +222,10 @@ EXAMPLES: dict[str, tuple[str, Callable[[], tuple[dict, str]]]] = {
     "head-sharing": ("Multi-head, grouped-query and multi-query attention", seed004_shapes),
     "kv-cache": ("A grouped-query layer decoding with each KV cache", cache_decoding),
     "rope": ("Rotary position embedding sees relative positions", rope_relative),
-    "real-model": ("Attention weights of MiniLM (BERT), run on attnlab", real_model_weights),
+    "real-model": (
+        "Attention weights of MiniLM (BERT), run on attnlab: which heads read meaning",
+        real_model_weights,
+    ),
 }
 
 
