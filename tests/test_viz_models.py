@@ -189,8 +189,16 @@ def test_explain_minilm_writes_figures_page_and_summary(tmp_path, minilm, monkey
     data = page_data((out / "explorer.html").read_text())
     assert (data["num_layers"], data["num_heads"]) == (6, 12) and data["movement"] is not None
     assert data["default"] == {"layer": 3, "head": -1, "focus": 11, "threshold": 0.1}
-    err = capsys.readouterr().err
+    # every head's label, from the weights: layer 0 head 2 is the previous-token head
+    labels = summary["head_patterns"]
+    assert [len(heads) for heads in labels] == [12] * 6
+    assert labels[0][2]["label"] == "previous-token" and labels[0][2]["score"] > 0.99
+    assert all(h["label"] == "first-token/sink" for h in labels[2])
+    captured = capsys.readouterr()
+    err, printed = captured.err, captured.out
     assert "running the model" in err and "wrote 7 files" in err
+    rows = [line.split() for line in printed.splitlines() if line.strip().startswith("layer ")]
+    assert len(rows) == 6 and rows[0][2 + 2] == "prev" and set(rows[2][2:]) == {"sink"}
 
     again = tmp_path / "again"  # the same input gives the same bytes
     run_explain([TEXT, "--out", str(again), "--focus", "bank", "--quiet"], minilm, monkeypatch)

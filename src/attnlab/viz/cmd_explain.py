@@ -14,7 +14,10 @@ Writes into ``--out`` (self-attention models):
     heads.png        the same for each head of that layer alone
     trajectory.png   token vectors through the whole stack
     explorer.html    everything, interactive, one file that works offline
-    summary.json     what was run and written
+    summary.json     what was run and written, and every head's pattern label
+
+Each head is labelled from its weights (:func:`attnlab.viz.head_patterns`: previous-token,
+first-token/sink, diagonal, broad, content, ...) and the labels are printed, one line per layer.
 
 Translation run directories give ``alignment.png``, ``grid.png`` and ``explorer.html``.
 ``--compare`` writes ``compare.png`` and ``compare.tsv`` and prints the table.
@@ -348,6 +351,7 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
 
     from attnlab.viz import heatmap, movement
     from attnlab.viz.explorer import write_explorer
+    from attnlab.viz.patterns import head_patterns, pattern_table
     from attnlab.viz.trace import default_fit_on
 
     name = args.model
@@ -422,6 +426,9 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
         say("writing the explorer page ...")
         write_explorer(trace, out / "explorer.html", layer=layer, head=head, focus=focus)
         written.append("explorer.html")
+    patterns = head_patterns(trace.attentions, trace.special)  # [layer][head]
+    print(f"{name}: head-pattern labels (prev = previous token, sink = first/special tokens)")
+    print("\n".join(pattern_table(patterns)))
     _summary(
         out,
         written,
@@ -435,6 +442,10 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
             "layer": layer,
             "head": head,
             "focus": focus,
+            "head_patterns": [
+                [{"label": p.label, "score": round(p.score, 3)} for p in heads]
+                for heads in patterns
+            ],
         },
     )
     say(f"wrote {len(written) + 1} files to {out}/: {', '.join(written)}, summary.json")
