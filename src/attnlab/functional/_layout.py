@@ -75,6 +75,37 @@ def nonfinite_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
     return bad | ~kv_ok[..., None, None]
 
 
+def propagate_nonfinite(query, key, value, out, weights=None):
+    """``out`` (..., L, Ev) and ``weights`` (..., H or 1, L, S) with :func:`nonfinite_rows` NaN.
+
+    Eagerly on CPU, one sum per input screens first (a finite sum means no NaN and no inf
+    anywhere; only a non-finite one, or an overflow of large finite values, pays for the
+    row-by-row check): the fast path's cost is three reductions. Traced (``torch.compile``,
+    ``torch.export``) or on other devices the row check always runs (no data-dependent branch,
+    no host sync). Results that need no gradient are filled in place.
+    """
+    if query.device.type == "cpu" and not torch.compiler.is_compiling():
+        total = sum(
+            t.sum(dtype=torch.float32 if t.dtype in _SHORT else None) for t in (query, key, value)
+        )
+        if bool(torch.isfinite(total)):
+            return out, weights
+    bad = nonfinite_rows(query, key, value)
+    out = _fill_nan(out, bad)
+    if weights is not None:
+        weights = _fill_nan(weights, bad.any(-3, keepdim=True) if weights.shape[-3] == 1 else bad)
+    return out, weights
+
+
+_SHORT = (torch.float16, torch.bfloat16)
+
+
+def _fill_nan(t: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    return (
+        t.masked_fill(bad, float("nan")) if t.requires_grad else t.masked_fill_(bad, float("nan"))
+    )
+
+
 def _finite_rows(x: torch.Tensor) -> torch.Tensor:
     """(..., N) -> (...,): True where the row holds no NaN or inf (an empty row is finite).
 

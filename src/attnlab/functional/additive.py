@@ -25,7 +25,7 @@ import math
 import torch
 
 from attnlab._checks import causal_alignment, check_floating, check_mask
-from attnlab.functional._layout import nonfinite_rows, with_causal
+from attnlab.functional._layout import propagate_nonfinite, with_causal
 from attnlab.functional.softmax import LOW_PRECISION, attention
 
 CHUNK_BYTES = 8 * 2**20  # per-block buffer: large enough for big matmuls, small for the caches
@@ -246,8 +246,6 @@ def additive_attention(
         check_mask(attn_mask, tuple(scores.shape))
     mask = with_causal(attn_mask, alignment, L, S, scores.device)
     out, weights = attention(scores, value, mask, dropout_p=dropout_p, return_weights=True)
-    bad = nonfinite_rows(query, key, value)  # NaN/inf inputs propagate (docs/conventions.md)
-    out = out.masked_fill(bad, float("nan")).to(query.dtype)
-    if return_weights:
-        return out, weights.masked_fill(bad, float("nan")).to(query.dtype)
-    return out
+    # NaN/inf inputs propagate (docs/conventions.md)
+    out, weights = propagate_nonfinite(query, key, value, out, weights)
+    return (out.to(query.dtype), weights.to(query.dtype)) if return_weights else out.to(query.dtype)

@@ -26,7 +26,7 @@ from attnlab.functional._layout import (
     as_4d,
     grouped_scores,
     grouped_weighted_sum,
-    nonfinite_rows,
+    propagate_nonfinite,
     with_causal,
 )
 from attnlab.functional.softmax import LOW_PRECISION, apply_mask, masked_softmax
@@ -162,6 +162,5 @@ def hard_attention(
         scores, mask, mode=mode, top_k=top_k, tau=tau, noise=noise, generator=generator
     )
     out = grouped_weighted_sum(weights, v)  # (B, H, L, Ev)
-    bad = nonfinite_rows(q, k, v)  # NaN/inf inputs propagate (docs/conventions.md)
-    out, weights = out.masked_fill(bad, float("nan")), weights.masked_fill(bad, float("nan"))
+    out, weights = propagate_nonfinite(q, k, v, out, weights)  # NaN/inf inputs propagate
     return (restore(out), restore(weights)) if return_weights else restore(out)

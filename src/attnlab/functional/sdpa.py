@@ -46,7 +46,7 @@ from attnlab.functional._layout import (
     as_4d,
     grouped_scores,
     grouped_weighted_sum,
-    nonfinite_rows,
+    propagate_nonfinite,
     with_causal,
 )
 from attnlab.functional._weights import WeightsAttention, block_shape, weights_in_blocks
@@ -309,17 +309,7 @@ def scaled_dot_product_attention(
         if return_weights == "average":
             weights = weights.mean(1, keepdim=True)
     # NaN/inf in the inputs propagate (no path may turn them into numbers): see nonfinite_rows
-    bad = nonfinite_rows(q, k, v)  # (B, H, L, 1)
-    if out.requires_grad:
-        out = out.masked_fill(bad, float("nan"))
-    else:  # a fresh result nobody else holds: no second copy
-        out.masked_fill_(bad, float("nan"))
-    if return_weights:
-        bad_w = bad.any(1, keepdim=True) if weights.shape[1] == 1 else bad
-        if weights.requires_grad:
-            weights = weights.masked_fill(bad_w, float("nan"))
-        else:
-            weights.masked_fill_(bad_w, float("nan"))
+    out, weights = propagate_nonfinite(q, k, v, out, weights if return_weights else None)
     if buffer is not None:
         if weights is not buffer:  # (an empty dimension took the eager path)
             buffer.copy_(weights)
