@@ -58,6 +58,7 @@ def test_dropout_through_the_dispatch_is_reproducible_and_unbiased():
     b = AF.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not torch.equal(a, AF.scaled_dot_product_attention(q, k, v, dropout_p=0.3))
+    torch.manual_seed(4)  # the mean's bound below is loose, but seeded: CI cannot flake
     mean = torch.stack(
         [AF.scaled_dot_product_attention(q, k, v, dropout_p=0.3) for _ in range(200)]
     ).mean(0)

@@ -203,6 +203,7 @@ def dropped_weights(q, k, alignment=None, p=P, **kw):
 
 
 def test_dropout_keep_rate_scaling_and_mean(blocks):
+    torch.manual_seed(11)  # the bounds are ~4 standard errors: seeded, CI cannot flake
     q, k, _ = inputs(2, 4, 2, 64, 64, 8, 8, dtype=F64, seed=7)
     w = dropped_weights(q, k)
     full = dropped_weights(q, k, p=0.0)
