@@ -1,0 +1,49 @@
+"""When attnlab's Triton kernels run, in one place.
+
+A Triton kernel serves a tensor when Triton is installed and either
+
+* the tensor is on a CUDA device (the compiled kernel), or
+* ``TRITON_INTERPRET=1`` was set before attnlab was imported and the tensor is on the CPU: Triton's
+  interpreter then runs the *same* kernel code with NumPy. That is how CI (no GPU) tests every
+  kernel, and how a reader can step through one. It is slow: never a production path.
+
+Without Triton everything runs on the existing paths. The kernel modules (``triton_*.py``) import
+Triton at their top; import them only after :func:`unfit` returned None.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+# Read once, when attnlab is imported: Triton decides at decoration time (``@triton.jit``)
+# whether a kernel is compiled or interpreted, so a later change would not take effect.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def installed() -> bool:
+    """Whether the ``triton`` package can be imported (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def unfit(*tensors: torch.Tensor | None) -> str | None:
+    """None when a Triton kernel can run on these tensors, else why not (for ``explain()``)."""
+    if not installed():
+        return "Triton is not installed (pip install triton)"
+    devices = {t.device.type for t in tensors if t is not None}
+    if devices == {"cuda"}:
+        return None
+    if devices == {"cpu"} and INTERPRET:
+        return None
+    if devices == {"cpu"}:
+        return "CPU tensors (Triton kernels run on CUDA, or on CPU under TRITON_INTERPRET=1)"
+    return f"tensors on {sorted(devices)}"
+
+
+def where() -> str:
+    """How a kernel runs: ``"Triton interpreter"`` or ``"Triton (CUDA)"``."""
+    return "Triton interpreter (TRITON_INTERPRET=1)" if INTERPRET else "Triton (CUDA)"
