@@ -23,6 +23,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 F64_ATOL = 1e-12
 
+# tests/triton/ runs attnlab's Triton kernels through Triton's interpreter, which must be switched
+# on (TRITON_INTERPRET=1) before attnlab is imported: tests/test_triton_interpreter.py runs that
+# folder in a child pytest with the variable set; this process leaves it alone.
+if os.environ.get("TRITON_INTERPRET") != "1":
+    collect_ignore = ["triton"]
+
 
 def np64(t):
     """A tensor (or None) as a float64/bool NumPy array for the oracle."""
