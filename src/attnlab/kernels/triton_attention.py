@@ -1,0 +1,384 @@
+"""Triton kernels for scaled dot-product attention: the output with each row's log-sum-exp, and
+the attention weights from them, tile by tile.
+
+Math, for one query head h of batch b (query row i, key j; G = H // Hkv, kv head ``h // G``)::
+
+    s_ij   = scale * q_i . k_j            where key j may be attended, else -inf
+    lse_i  = log sum_j exp(s_ij)          (+inf for a row with no attendable key)
+    o_i    = sum_j exp(s_ij - lse_i) v_j  (0 for such a row)
+    w_ij   = exp(s_ij - lse_i)            (the weights: pass 2, only when asked)
+
+Pass 1 (:func:`attention_forward`) is the flash-attention forward (Dao et al. 2022; Triton's
+fused-attention tutorial): one program per (BLOCK_M query rows, b, h) walks the key blocks
+with an online softmax (running max ``m``, running sum ``l``, rescaled accumulator), so no
+(L, S) tile is ever stored. Key blocks that no row of the program may see are never visited:
+before ``key_start[b]`` / after ``key_end[b]`` (padding given as lengths) and after the causal
+diagonal. Pass 2 (:func:`attention_weights`) recomputes ``s`` tile by tile and writes
+``exp(s - lse)``: per head (B, H, L, S), or averaged over heads (B, L, S) by summing the H
+heads inside the program, so the per-head tensor never exists.
+
+Which keys may be attended (all conditions at once)::
+
+    key_start[b] <= j < key_end[b]             padding as a range per batch row (optional)
+    j <= i + causal_offset                     causal: offset 0 top-left, S - L bottom-right
+    mask[b, h, i, j]                            a bool mask, True = may attend (optional)
+    s_ij += bias[b, h, i, j]                    or a float mask added to the scores
+
+Masks are read through their strides, so a broadcast (B, 1, 1, S) key-padding mask costs one
+row per key block, never an (L, S) tensor. Matrix products take the inputs' dtype (fp16, bf16;
+fp32 with IEEE precision, not TF32) and accumulate in fp32; softmax statistics are fp32.
+
+The readable reference these kernels must equal is :func:`reference`, and the float64 NumPy
+oracle :func:`attnlab.reference.scaled_dot_product_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from attnlab.kernels._triton import INTERPRET
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+CAUSAL_OFFSET = {None: None, "top_left": 0}  # bottom_right: S - L, per call
+
+
+@triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    """a @ b accumulated in fp32. DOT: 0 the inputs' dtype (fp16/bf16 tensor cores), 1 fp32 in
+    IEEE precision (not TF32), 2 16-bit inputs upcast first: the interpreter's NumPy has no
+    bfloat16, and the products of 16-bit numbers are exact in fp32, so this is the same sum."""
+    if DOT == 1:
+        return tl.dot(a, b, input_precision="ieee")
+    if DOT == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _scores(q, K, kv_base, offs_n, offs_e, ske, sks, S, E, DOT: tl.constexpr):
+    """(BLOCK_M, BLOCK_E) queries . (BLOCK_N keys) -> (BLOCK_M, BLOCK_N) fp32 scores."""
+    k = tl.load(
+        K + kv_base + offs_n[None, :] * sks + offs_e[:, None] * ske,
+        mask=(offs_n[None, :] < S) & (offs_e[:, None] < E),
+        other=0.0,
+    )  # (BLOCK_E, BLOCK_N): K transposed by its strides
+    return _dot(q, k, DOT)
+
+
+@triton.jit
+def _allowed(
+    s,
+    M,
+    m_base,
+    offs_m,
+    offs_n,
+    sml,
+    sms,
+    lo,
+    hi,
+    L,
+    causal_offset,
+    CAUSAL: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """Scores with every key a row may not attend set to -inf (MASK: 0 none, 1 bool, 2 bias)."""
+    ok = (offs_n[None, :] >= lo) & (offs_n[None, :] < hi) & (offs_m[:, None] < L)
+    if CAUSAL:
+        ok = ok & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+    inside = (offs_m[:, None] < L) & (offs_n[None, :] < hi)
+    if MASK == 1:
+        keep = tl.load(M + m_base + offs_m[:, None] * sml + offs_n[None, :] * sms, mask=inside)
+        ok = ok & (keep != 0)
+    if MASK == 2:
+        bias = tl.load(M + m_base + offs_m[:, None] * sml + offs_n[None, :] * sms, mask=inside)
+        s = s + bias.to(tl.float32)
+    return tl.where(ok, s, float("-inf"))
+
+
+@triton.jit
+def _key_range(
+    KSTART, KEND, b, pid_m, S, causal_offset, HAS_RANGE: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """The keys [lo, hi) that some row of this program may see."""
+    lo = 0
+    hi = S
+    if HAS_RANGE:
+        lo = tl.load(KSTART + b)
+        hi = tl.minimum(tl.load(KEND + b), S)
+    if CAUSAL:
+        hi = tl.minimum(hi, (pid_m + 1) * BLOCK_M + causal_offset)
+    return lo, hi
+
+
+@triton.jit
+def _forward_kernel(
+    Q, K, V, M, KSTART, KEND, O, LSE,
+    sqb, sqh, sql, sqe, skb, skh, sks, ske, svb, svh, svs, sve,
+    smb, smh, sml, sms, sob, soh, sol, soe,
+    H, G, L, S, E, EV, scale, causal_offset,
+    CAUSAL: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G  # the GQA mapping: query head h reads kv head h // G
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    q = tl.load(
+        Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
+        mask=(offs_m[:, None] < L) & (offs_e[None, :] < E),
+        other=0.0,
+    )  # (BLOCK_M, BLOCK_E)
+    k_base = b * skb + hk * skh
+    v_base = b * svb + hk * svh
+    m_base = b * smb + h * smh
+    lo, hi = _key_range(KSTART, KEND, b, pid_m, S, causal_offset, HAS_RANGE, CAUSAL, BLOCK_M)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp(s - m)
+    acc = tl.zeros([BLOCK_M, BLOCK_EV], tl.float32)
+    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        s = _scores(q, K, k_base, offs_n, offs_e, ske, sks, S, E, DOT) * scale
+        s = _allowed(s, M, m_base, offs_m, offs_n, sml, sms, lo, hi, L, causal_offset, CAUSAL, MASK)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + v_base + offs_n[:, None] * svs + offs_ev[None, :] * sve,
+            mask=(offs_n[:, None] < S) & (offs_ev[None, :] < EV),
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_EV)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
+        m_i = m_new
+
+    alive = l_i > 0
+    out = tl.where(alive[:, None], acc / tl.where(alive, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(alive, m_i + tl.log(tl.where(alive, l_i, 1.0)), float("inf"))
+    row_ok = offs_m < L
+    tl.store(
+        O + b * sob + h * soh + offs_m[:, None] * sol + offs_ev[None, :] * soe,
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_ev[None, :] < EV),
+    )
+    tl.store(LSE + bh * L + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _weights_kernel(
+    Q, K, M, KSTART, KEND, LSE, W,
+    sqb, sqh, sql, sqe, skb, skh, sks, ske, smb, smh, sml, sms,
+    H, G, L, S, E, scale, causal_offset,
+    CAUSAL: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
+    AVERAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """One (BLOCK_M, BLOCK_N) tile of weights: of head h, or averaged over the H heads."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    bh = tl.program_id(2)  # b * H + h, or b when AVERAGE
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_e = tl.arange(0, BLOCK_E)
+    if AVERAGE:
+        b = bh
+        h0 = 0
+        heads = H
+    else:
+        b = bh // H
+        h0 = bh % H
+        heads = 1
+    lo = 0
+    hi = S
+    if HAS_RANGE:
+        lo = tl.load(KSTART + b)
+        hi = tl.minimum(tl.load(KEND + b), S)
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for h in range(h0, h0 + heads):
+        q = tl.load(
+            Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
+            mask=(offs_m[:, None] < L) & (offs_e[None, :] < E),
+            other=0.0,
+        )
+        s = _scores(q, K, b * skb + (h // G) * skh, offs_n, offs_e, ske, sks, S, E, DOT) * scale
+        s = _allowed(
+            s, M, b * smb + h * smh, offs_m, offs_n, sml, sms, lo, hi, L, causal_offset, CAUSAL,
+            MASK,
+        )  # fmt: skip
+        lse = tl.load(LSE + (b * H + h) * L + offs_m, mask=offs_m < L, other=float("inf"))
+        total += tl.exp(s - lse[:, None])  # -inf - lse and s - inf both give exp(-inf) = 0
+    if AVERAGE:
+        total = total / H
+    tl.store(
+        W + bh * L * S + offs_m[:, None] * S + offs_n[None, :],
+        total.to(W.dtype.element_ty),
+        mask=(offs_m[:, None] < L) & (offs_n[None, :] < S),
+    )
+
+
+def _dot_mode(dtype: torch.dtype) -> int:
+    """The ``DOT`` constant of the kernels for inputs of this dtype (see ``_dot``)."""
+    if dtype == torch.float32:
+        return 1
+    return 2 if INTERPRET else 0
+
+
+def _blocks(E: int, Ev: int) -> tuple[int, int, int, int, int]:
+    """BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, num_warps for these head dims.
+
+    On a GPU: 128 x 64 tiles up to head dim 128 (the tutorial's choice for Hopper), 64 x 32 at
+    256 to stay within shared memory. The interpreter runs each program in NumPy: 32 x 32
+    tiles keep small test shapes quick while still crossing several tiles.
+    """
+    BE = max(16, triton.next_power_of_2(E))
+    BEV = max(16, triton.next_power_of_2(Ev))
+    if INTERPRET:
+        return 32, 32, BE, BEV, 4
+    if max(BE, BEV) <= 128:
+        return 128, 64, BE, BEV, 4 if max(BE, BEV) <= 64 else 8
+    return 64, 32, BE, BEV, 8
+
+
+def _mask_args(mask: torch.Tensor | None, q: torch.Tensor, S: int):
+    """(kind, tensor, strides) of a mask broadcast to (B, H, L, S) without copying it."""
+    B, H, L, _ = q.shape
+    if mask is None:
+        return 0, q, (0, 0, 0, 0)
+    mask = mask.expand(B, H, L, S)  # strides 0 where the mask broadcasts
+    if mask.dtype == torch.bool:
+        return 1, mask.view(torch.uint8), mask.stride()
+    return 2, mask, mask.stride()
+
+
+def _range_args(key_range: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor):
+    if key_range is None:
+        return False, q, q
+    start, end = key_range
+    return True, start.to(device=q.device, dtype=torch.int32), end.to(q.device, torch.int32)
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    alignment: str | None = None,
+    scale: float | None = None,
+    key_range: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, L, E), (B, Hkv, S, E), (B, Hkv, S, Ev) -> out (B, H, L, Ev), lse (B, H, L) fp32.
+
+    ``mask``: None, bool (True = may attend) or a float bias, broadcastable to (B, H, L, S).
+    ``alignment``: None, ``"top_left"`` or ``"bottom_right"`` causal. ``key_range``: optional
+    ``(start, end)`` int tensors of shape (B,): row b may attend keys ``start[b] <= j < end[b]``
+    (padding kept as lengths: blocks outside the range are skipped, not read).
+    Rows with no attendable key: output 0 and lse +inf.
+    """
+    B, H, L, E = q.shape
+    Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[-1]
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    out = q.new_empty(B, H, L, Ev)
+    lse = torch.empty(B, H, L, device=q.device, dtype=torch.float32)
+    kind, m, ms = _mask_args(mask, q, S)
+    has_range, start, end = _range_args(key_range, q)
+    offset = (S - L) if alignment == "bottom_right" else 0
+    BM, BN, BE, BEV, warps = _blocks(E, Ev)
+    grid = (triton.cdiv(L, BM), B * H)
+    _forward_kernel[grid](
+        q, k, v, m, start, end, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
+        H, H // Hkv, L, S, E, Ev, scale, offset,
+        CAUSAL=alignment is not None, MASK=kind, HAS_RANGE=has_range,
+        DOT=_dot_mode(q.dtype),
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=warps,
+    )  # fmt: skip
+    return out, lse
+
+
+def attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    alignment: str | None = None,
+    scale: float | None = None,
+    key_range: tuple[torch.Tensor, torch.Tensor] | None = None,
+    average: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The weights ``exp(s - lse)``: (B, H, L, S), or (B, 1, L, S) averaged over heads.
+
+    ``lse`` is :func:`attention_forward`'s; the other arguments are the same as there. ``out``:
+    an optional contiguous buffer of that shape and q's dtype to write into.
+    """
+    B, H, L, E = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    shape = (B, 1 if average else H, L, S)
+    if out is None:
+        out = q.new_empty(shape)
+    kind, m, ms = _mask_args(mask, q, S)
+    has_range, start, end = _range_args(key_range, q)
+    offset = (S - L) if alignment == "bottom_right" else 0
+    BM, BN, BE, _, warps = _blocks(E, E)
+    BN = min(BN * 2, 128) if not INTERPRET else BN  # no V tile here: wider tiles fit
+    grid = (triton.cdiv(L, BM), triton.cdiv(S, BN), B if average else B * H)
+    _weights_kernel[grid](
+        q, k, m, start, end, lse, out,
+        *q.stride(), *k.stride(), *ms,
+        H, H // Hkv, L, S, E, scale, offset,
+        CAUSAL=alignment is not None, MASK=kind, HAS_RANGE=has_range,
+        DOT=_dot_mode(q.dtype), AVERAGE=average,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def supports(q, k, v, mask) -> str | None:
+    """None when the kernels take these inputs, else why not (for ``explain()``)."""
+    if q.dtype not in DTYPES:
+        return f"{q.dtype} (the Triton kernels take float16, bfloat16 and float32)"
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        return f"head dim {max(q.shape[-1], v.shape[-1])} > {MAX_HEAD_DIM}"
+    if mask is not None and mask.is_floating_point() and mask.dtype not in DTYPES:
+        return f"a {mask.dtype} bias mask"
+    return None
+
+
+def reference(q, k, v, mask=None, alignment=None, scale=None, key_range=None):
+    """The readable torch computation the kernels must equal: out, lse (fp32), weights."""
+    B, H, L, E = q.shape
+    S = k.shape[2]
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    G = H // k.shape[1]
+    kf = k.float().repeat_interleave(G, 1)  # (B, H, S, E): the GQA mapping, materialised
+    vf = v.float().repeat_interleave(G, 1)
+    s = (q.float() @ kf.transpose(-2, -1)) * scale  # (B, H, L, S)
+    j = torch.arange(S, device=q.device)
+    ok = torch.ones(B, H, L, S, dtype=torch.bool, device=q.device)
+    if key_range is not None:
+        start, end = (t.to(q.device)[:, None, None, None] for t in key_range)
+        ok &= (j >= start) & (j < end)
+    if alignment is not None:
+        i = torch.arange(L, device=q.device)[:, None]
+        ok &= j <= i + ((S - L) if alignment == "bottom_right" else 0)
+    if mask is not None and mask.dtype == torch.bool:
+        ok &= mask
+    elif mask is not None:
+        s = s + mask.float()
+    s = s.masked_fill(~ok, float("-inf"))
+    lse = torch.logsumexp(s, -1)  # -inf for rows with no key
+    w = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    return (w @ vf).to(q.dtype), lse, w

@@ -1,0 +1,197 @@
+"""A Triton decode-attention kernel: a few new query rows against a long KV cache (Flash-Decoding).
+
+At decode time L is 1 (or a few rows, for speculative steps) and S is the whole cache: one
+program per (batch, head) would leave most of a GPU idle and read the cache serially. So the
+keys are split into chunks, each chunk reduced by its own program, and the partial results
+merged with their log-sum-exp (Dao et al., "Flash-Decoding for long-context inference", 2023)::
+
+    split c:  m_c = max_j s_ij,  l_c = sum_j exp(s_ij - m_c),  a_c = sum_j exp(s_ij - m_c) v_j
+    merge:    m = max_c m_c,  l = sum_c l_c exp(m_c - m),  o = sum_c a_c exp(m_c - m) / l
+
+GQA-aware: one program serves the G query heads of a kv group together: their G * L rows are
+stacked into one (G*L, E) tile, so each key block is read once for the whole group::
+
+    rows r = 0 .. G*L-1  ->  query head hk*G + r // L, query row r % L;  kv head hk
+
+Which keys a row may attend: ``key_start[b] <= j < key_end[b]`` (the cache's filled part, or
+padding, as a range per batch row), ``j <= i + S - L`` (bottom-right causal: the cache holds
+the past), a bool mask (True = may attend) or a float bias read through its strides. A row
+with no key gets output 0 (and weights 0).
+
+Weights at decode are one row per head: when asked, the kernel also writes the raw scores
+(B, H, L, S) in fp32 and the weights are ``exp(s - lse)`` after the merge, one elementwise op.
+This serves cache-eviction methods (H2O, SnapKV) that need them.
+
+The readable reference is :func:`attnlab.kernels.triton_attention.reference` (the same math);
+the oracle is :func:`attnlab.reference.scaled_dot_product_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from attnlab.kernels._triton import INTERPRET
+from attnlab.kernels.triton_attention import _dot, _dot_mode, _mask_args, _range_args
+
+MAX_ROWS = 64  # G * L rows in one tile; more: the prefill kernel serves
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, M, KSTART, KEND, ACC, MAX, SUM, SC,
+    sqb, sqh, sql, sqe, skb, skh, sks, ske, svb, svh, svs, sve, smb, smh, sml, sms,
+    H, Hkv, G, L, S, E, EV, scale, causal_offset, chunk, NSPLIT,
+    CAUSAL: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, SCORES: tl.constexpr,
+    DOT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+):  # fmt: skip
+    split = tl.program_id(0)
+    bk = tl.program_id(1)  # b * Hkv + hk
+    b = bk // Hkv
+    hk = bk % Hkv
+    offs_r = tl.arange(0, BLOCK_R)
+    R = G * L
+    row_ok = offs_r < R
+    h = hk * G + offs_r // L  # (BLOCK_R,) query head of each row
+    i = offs_r % L  # (BLOCK_R,) query position of each row
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    q = tl.load(
+        Q + b * sqb + h[:, None] * sqh + i[:, None] * sql + offs_e[None, :] * sqe,
+        mask=row_ok[:, None] & (offs_e[None, :] < E),
+        other=0.0,
+    )  # (BLOCK_R, BLOCK_E)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, S)
+    if HAS_RANGE:
+        lo = tl.maximum(lo, tl.load(KSTART + b))
+        hi = tl.minimum(hi, tl.load(KEND + b))
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_EV], tl.float32)
+    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        k = tl.load(
+            K + b * skb + hk * skh + offs_n[None, :] * sks + offs_e[:, None] * ske,
+            mask=(offs_n[None, :] < S) & (offs_e[:, None] < E),
+            other=0.0,
+        )  # (BLOCK_E, BLOCK_N)
+        s = _dot(q, k, DOT) * scale  # (BLOCK_R, BLOCK_N)
+        ok = (offs_n[None, :] >= lo) & (offs_n[None, :] < hi) & row_ok[:, None]
+        if CAUSAL:
+            ok = ok & (offs_n[None, :] <= i[:, None] + causal_offset)
+        inside = row_ok[:, None] & (offs_n[None, :] < hi)
+        if MASK != 0:
+            at = M + b * smb + h[:, None] * smh + i[:, None] * sml + offs_n[None, :] * sms
+            if MASK == 1:
+                ok = ok & (tl.load(at, mask=inside, other=0) != 0)
+            else:
+                s = s + tl.load(at, mask=inside, other=0.0).to(tl.float32)
+        s = tl.where(ok, s, float("-inf"))
+        if SCORES:
+            tl.store(
+                SC + ((b * H + h[:, None]) * L + i[:, None]) * S + offs_n[None, :],
+                s,
+                mask=inside & (offs_n[None, :] >= lo),
+            )
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + b * svb + hk * svh + offs_n[:, None] * svs + offs_ev[None, :] * sve,
+            mask=(offs_n[:, None] < S) & (offs_ev[None, :] < EV),
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
+        m_i = m_new
+    part = (bk * NSPLIT + split) * R + offs_r  # (B, Hkv, NSPLIT, R) partials
+    tl.store(MAX + part, m_i, mask=row_ok)
+    tl.store(SUM + part, l_i, mask=row_ok)
+    tl.store(
+        ACC + part[:, None] * EV + offs_ev[None, :],
+        acc,
+        mask=row_ok[:, None] & (offs_ev[None, :] < EV),
+    )
+
+
+def _splits(B: int, Hkv: int, S: int, block_n: int) -> int:
+    """How many chunks the keys are cut into: enough programs to fill the device (about two
+    per streaming multiprocessor), never a chunk smaller than one key block."""
+    if INTERPRET:
+        return min(3, triton.cdiv(S, block_n))  # several splits, so tests cross the merge
+    wanted = triton.cdiv(2 * torch.cuda.get_device_properties(0).multi_processor_count, B * Hkv)
+    return max(1, min(wanted, triton.cdiv(S, block_n)))
+
+
+def supports(q, k, v, mask) -> str | None:
+    """None when the decode kernel takes these inputs, else why not."""
+    G = q.shape[1] // k.shape[1]
+    if G * q.shape[2] > MAX_ROWS:
+        return f"G * L = {G * q.shape[2]} query rows per kv head > {MAX_ROWS} (not a decode step)"
+    return None
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    alignment: str | None = "bottom_right",
+    scale: float | None = None,
+    key_range: tuple[torch.Tensor, torch.Tensor] | None = None,
+    return_weights: bool | str = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, H, L, E) queries against a (B, Hkv, S, E) cache -> out (B, H, L, Ev), weights.
+
+    ``weights``: None unless asked; (B, H, L, S) per head or (B, 1, L, S) with ``"average"``.
+    Arguments as :func:`attnlab.kernels.triton_attention.attention_forward`; ``alignment``
+    is ``"bottom_right"`` (the new rows are the last ones) or None.
+    """
+    B, H, L, E = q.shape
+    Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // Hkv
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    BR = max(16, triton.next_power_of_2(G * L))
+    BE = max(16, triton.next_power_of_2(E))
+    BEV = max(16, triton.next_power_of_2(Ev))
+    BN = 32 if INTERPRET else 64
+    nsplit = _splits(B, Hkv, S, BN)
+    chunk = triton.cdiv(triton.cdiv(S, nsplit), BN) * BN
+    nsplit = triton.cdiv(S, chunk)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    acc = torch.empty(B, Hkv, nsplit, G * L, Ev, **f32)
+    mx = torch.empty(B, Hkv, nsplit, G * L, **f32)
+    sm = torch.empty(B, Hkv, nsplit, G * L, **f32)
+    scores = torch.full((B, H, L, S), float("-inf"), **f32) if return_weights else mx
+    kind, m, ms = _mask_args(mask, q, S)
+    has_range, start, end = _range_args(key_range, q)
+    offset = (S - L) if alignment == "bottom_right" else 0
+    _decode_kernel[(nsplit, B * Hkv)](
+        q, k, v, m, start, end, acc, mx, sm, scores,
+        *q.stride(), *k.stride(), *v.stride(), *ms,
+        H, Hkv, G, L, S, E, Ev, scale, offset, chunk, nsplit,
+        CAUSAL=alignment is not None, MASK=kind, HAS_RANGE=has_range,
+        SCORES=bool(return_weights), DOT=_dot_mode(q.dtype),
+        BLOCK_R=BR, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=4,
+    )  # fmt: skip
+    # merge the splits by their log-sum-exp: (B, Hkv, nsplit, G*L, ...) -> (B, Hkv, G*L, ...)
+    top = mx.amax(2, keepdim=True)
+    top = top.masked_fill(top == float("-inf"), 0.0)
+    rescale = torch.exp(mx - top)  # 0 for a split that saw no key
+    total = (sm * rescale).sum(2)  # (B, Hkv, G*L)
+    out = (acc * rescale[..., None]).sum(2) / total.clamp_min(1e-38)[..., None]
+    out = out.masked_fill((total == 0)[..., None], 0.0)
+    out = out.view(B, Hkv, G, L, Ev).reshape(B, H, L, Ev).to(q.dtype)
+    if not return_weights:
+        return out, None
+    lse = (top.squeeze(2) + torch.log(total)).view(B, H, L)  # -inf where no key: exp(-inf) = 0
+    weights = torch.exp(scores - lse.masked_fill(total.view(B, H, L) == 0, float("inf"))[..., None])
+    if return_weights == "average":
+        weights = weights.mean(1, keepdim=True)
+    return out, weights.to(q.dtype)
