@@ -222,7 +222,10 @@ def padding_mask(
             ``"left"`` when it precedes them (batched generation prompts).
 
     It broadcasts against scores (B, H, L, S); combine it with a causal mask by
-    :func:`and_masks`.
+    :func:`and_masks`. The result remembers the lengths (``mask.key_range``: the (B,) start
+    and end of each row's real keys), so attention kernels that take a range can skip the
+    padding's key blocks instead of reading the mask; any operation on it gives a plain
+    tensor without them.
     """
     lengths = torch.as_tensor(lengths, device=device)
     if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
@@ -241,10 +244,16 @@ def padding_mask(
         )
     pos = torch.arange(max_length, device=lengths.device)  # (S,)
     if side == "right":
-        keep = pos[None, :] < lengths[:, None]  # (B, S)
+        start, end = torch.zeros_like(lengths), lengths
     else:
-        keep = pos[None, :] >= (max_length - lengths)[:, None]
-    return Mask(keep[:, None, None, :])
+        start, end = max_length - lengths, torch.full_like(lengths, max_length)
+    keep = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])  # (B, S)
+    mask = Mask(keep[:, None, None, :])
+    if isinstance(mask, Mask):
+        # The structure, kept: kernels that take it skip the key blocks outside [start, end)
+        # instead of reading the mask (attnlab.explain says when).
+        mask.key_range = (start, end)
+    return mask
 
 
 def expand_key_padding(key_padding_mask: torch.Tensor) -> Mask:

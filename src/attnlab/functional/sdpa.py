@@ -10,6 +10,9 @@
   memory is one block (not the several (B, H, L, S) temporaries of the textbook formula). Used
   when weights are requested; with autograd (float32/float64) its backward recomputes each
   block's weights from the row log-sum-exp (:mod:`attnlab.functional._weights`).
+* **triton** -- attnlab's Triton kernels (:mod:`attnlab.functional._triton`), on CUDA (and on
+  CPU under ``TRITON_INTERPRET=1``): weights on demand from the row log-sum-exp, and padding
+  kept as lengths (key blocks outside each row's range skipped), without autograd.
 * **cpu_flash** -- attnlab's blocked CPU kernel (:mod:`attnlab.kernels.cpu_flash`), where
   torch's CPU kernel falls short: dropout (torch's has none and falls back to its math path)
   and 16-bit training (torch's bf16 backward is slower than its float32 one).
@@ -42,6 +45,7 @@ from attnlab._checks import (
     check_qkv,
     check_scale,
 )
+from attnlab.functional import _triton
 from attnlab.functional._layout import (
     as_4d,
     grouped_scores,
@@ -64,7 +68,8 @@ GRAD_WEIGHTS_DTYPES = (torch.float32, torch.float64)
 
 @dataclass(frozen=True)
 class Dispatch:
-    """A call's path (``"fused"``, ``"cpu_flash"``, ``"weights"`` or ``"eager"``) and why."""
+    """A call's path (``"fused"``, ``"triton"``, ``"cpu_flash"``, ``"weights"`` or ``"eager"``)
+    and why."""
 
     path: str
     reasons: tuple[str, ...]
@@ -92,6 +97,7 @@ def _choose(
     dropout_p: float,
     return_weights: bool | str,
     value: torch.Tensor | None = None,
+    key_range=None,
     *,
     why: bool = True,
 ) -> Dispatch:
@@ -118,6 +124,11 @@ def _choose(
                 + " -- the blocked weights backward takes float32/float64 and a constant mask",
             ),
         )
+    if return_weights or key_range is not None:
+        training = _needs_grad(query, key, value, attn_mask)
+        unfit = _triton.unfit(query, key, value, attn_mask, dropout_p, training)
+        if unfit is None:
+            return Dispatch("triton", (_triton.describe(query, key, return_weights, key_range),))
     if return_weights:
         heads, rows = block_shape(
             query.shape[1], query.shape[2], key.shape[2], query.element_size()
@@ -189,9 +200,10 @@ def explain(
     """Which path :func:`scaled_dot_product_attention` takes for these inputs, and why."""
     check_qkv(query, key, value)
     alignment = causal_alignment(is_causal, query.shape[-2], key.shape[-2])
+    key_range = _triton.key_range_of(attn_mask, query, key)
     attn_mask = plain(attn_mask)
     q, k, v, mask, _ = as_4d(query, key, value, attn_mask)
-    return _choose(q, k, mask, alignment, dropout_p, return_weights, v)
+    return _choose(q, k, mask, alignment, dropout_p, return_weights, v, key_range)
 
 
 def scaled_dot_product_attention(
@@ -274,6 +286,8 @@ def scaled_dot_product_attention(
         scores_shape = (*query.shape[:-2], L, S)
         check_mask(attn_mask, scores_shape)
         check_bias_range(attn_mask, query.dtype)
+    key_range = _triton.key_range_of(attn_mask, query, key)  # padding kept as lengths
+    if attn_mask is not None:
         attn_mask = plain(attn_mask)  # a masks.Mask is a bool tensor that prints as a picture
     q, k, v, mask, restore = as_4d(query, key, value, attn_mask)
     buffer = None  # the caller's weights_out, as a (B, H or 1, L, S) view
@@ -287,13 +301,17 @@ def scaled_dot_product_attention(
         return _finish(out, weights, return_weights, restore, query.dim())
 
     log = not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG)
-    decision = _choose(q, k, mask, alignment, dropout_p, return_weights, v, why=log)
+    decision = _choose(q, k, mask, alignment, dropout_p, return_weights, v, key_range, why=log)
     if log:
         logger.debug("scaled_dot_product_attention %s", decision)  # (dynamo cannot trace logging)
 
     weights = None
     if decision.path == "fused":
         out = _fused(q, k, v, mask, alignment, scale, dropout_p)
+    elif decision.path == "triton":
+        out, weights = _triton.run(
+            q, k, v, mask, alignment, scale, return_weights, key_range, buffer
+        )
     elif decision.path == "cpu_flash":
         out = kernels.flash_attention(q, k, v, mask, alignment, scale, dropout_p)
     elif decision.path == "weights" and _needs_grad(q, k, v):

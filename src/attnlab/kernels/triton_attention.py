@@ -102,7 +102,14 @@ def _allowed(
 
 @triton.jit
 def _key_range(
-    KSTART, KEND, b, pid_m, S, causal_offset, HAS_RANGE: tl.constexpr, CAUSAL: tl.constexpr,
+    KSTART,
+    KEND,
+    b,
+    pid_m,
+    S,
+    causal_offset,
+    HAS_RANGE: tl.constexpr,
+    CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     """The keys [lo, hi) that some row of this program may see."""

@@ -1,0 +1,217 @@
+"""attnlab's Triton attention kernels through the interpreter, against the float64 oracle.
+
+Shapes are small but cross several 32 x 32 tiles (the interpreter's tile size) and several
+decode splits; lengths are odd, L != S, GQA 4/2 and 4/1 and 6/2, E != Ev. float32 results are
+held to a control: the naive formula in float32, against the same oracle (conftest.py's rule:
+error <= 2x the control's, plus a rounding floor); bfloat16 likewise against naive bfloat16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import attnlab
+from attnlab import masks, reference
+from attnlab.kernels import triton_attention as ta
+from attnlab.kernels import triton_decode as td
+from conftest import naive_sdpa, np64
+
+F64 = torch.float64
+SHAPES = [  # (B, H, Hkv, L, S, E, Ev)
+    (2, 4, 2, 37, 53, 24, 40),
+    (1, 4, 1, 45, 33, 16, 16),
+    (2, 6, 2, 3, 97, 32, 8),  # a decode-like call: G*L = 9 rows per kv head
+]
+
+
+def inputs(B, H, Hkv, L, S, E, Ev, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, E, generator=g, dtype=F64)
+    k = torch.randn(B, Hkv, S, E, generator=g, dtype=F64)
+    v = torch.randn(B, Hkv, S, Ev, generator=g, dtype=F64)
+    return [t.to(dtype) for t in (q, k, v)]
+
+
+def make_mask(kind, B, H, L, S, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "bool":  # (B, 1, L, S) with a row that may attend nothing
+        m = torch.rand(B, 1, L, S, generator=g) > 0.3
+        m[0, 0, L // 2] = False
+        return m
+    if kind == "float":  # (1, H, L, S) bias with -inf entries
+        bias = torch.randn(1, H, L, S, generator=g, dtype=F64)
+        return bias.masked_fill(torch.rand(1, H, L, S, generator=g) > 0.7, float("-inf"))
+    return None
+
+
+def oracle(q, k, v, mask, alignment, scale=None):
+    return reference.scaled_dot_product_attention(
+        np64(q), np64(k), np64(v), np64(mask), is_causal=alignment or False, scale=scale,
+        return_weights=True,
+    )  # fmt: skip
+
+
+def control(q, k, v, mask, alignment, dtype):
+    """The naive formula in ``dtype`` and its error against the oracle (the tolerance)."""
+    L, S = q.shape[-2], k.shape[-2]
+    if alignment is not None:
+        keep = masks.causal_keep(L, S, alignment, q.device)
+        mask = keep if mask is None else masks.restrict(mask, keep)
+    cast = mask.to(dtype) if mask is not None and mask.is_floating_point() else mask
+    return naive_sdpa(q.to(dtype), k.to(dtype), v.to(dtype), cast)
+
+
+def err(a, b) -> float:
+    return float(np.abs(a.detach().double().numpy() - b).max()) if a.numel() else 0.0
+
+
+FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+@pytest.mark.parametrize("alignment", [None, "top_left", "bottom_right"])
+def test_forward_and_weights_match_the_oracle(shape, mask_kind, alignment):
+    B, H, Hkv, L, S, E, Ev = shape
+    mask = make_mask(mask_kind, B, H, L, S)
+    q, k, v = inputs(*shape)
+    m = mask.float() if mask is not None and mask.is_floating_point() else mask
+    ref_out, ref_w = oracle(q, k, v, mask, alignment)
+    tol = 2 * err(control(q, k, v, m, alignment, torch.float32), ref_out) + FLOOR[torch.float32]
+    out, lse = ta.attention_forward(q, k, v, m, alignment)
+    assert err(out, ref_out) <= tol
+    w = ta.attention_weights(q, k, lse, m, alignment)
+    assert err(w, ref_w) <= tol
+    avg = ta.attention_weights(q, k, lse, m, alignment, average=True)
+    assert avg.shape == (B, 1, L, S) and err(avg, ref_w.mean(1, keepdims=True)) <= tol
+    dead = ~np.asarray(ref_w.sum(-1) > 0)  # rows with no attendable key: exactly 0, lse +inf
+    assert (out.numpy()[dead] == 0).all() and (w.numpy()[dead] == 0).all()
+    assert np.isposinf(lse.numpy()[dead]).all() and np.isfinite(lse.numpy()[~dead]).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=str)
+@pytest.mark.parametrize("alignment", [None, "bottom_right"])
+def test_bfloat16_is_within_twice_a_bfloat16_control(shape, alignment):
+    q, k, v = inputs(*shape, dtype=torch.bfloat16)
+    ref_out, ref_w = oracle(q, k, v, None, alignment)
+    ctrl = control(q, k, v, None, alignment, torch.bfloat16)
+    tol = 2 * err(ctrl, ref_out) + 1e-3
+    out, lse = ta.attention_forward(q, k, v, None, alignment)
+    assert out.dtype == torch.bfloat16 and err(out, ref_out) <= tol
+    w = ta.attention_weights(q, k, lse, None, alignment)
+    assert err(w, ref_w) <= 2**-8  # weights in [0, 1]: one bf16 rounding
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_as_key_ranges_equals_the_mask(side):
+    B, H, Hkv, L, S, E, Ev = 3, 4, 2, 21, 70, 16, 24
+    q, k, v = inputs(B, H, Hkv, L, S, E, Ev)
+    pad = masks.padding_mask([70, 33, 0], side=side)
+    ref_out, ref_w = oracle(q, k, v, pad, None)
+    out, lse = ta.attention_forward(q, k, v, None, None, None, pad.key_range)
+    assert err(out, ref_out) < 2e-6
+    w = ta.attention_weights(q, k, lse, None, None, None, pad.key_range)
+    assert err(w, ref_w) < 1e-6 and (out[2] == 0).all() and (w[2] == 0).all()
+
+
+@pytest.mark.parametrize("shape", [(2, 6, 2, 1, 150, 24, 40), (2, 8, 1, 3, 97, 32, 32)], ids=str)
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+def test_decode_kernel_merges_its_splits_exactly(shape, mask_kind):
+    B, H, Hkv, L, S, E, Ev = shape
+    assert td._splits(B, Hkv, S, 32) == 3  # the merge is crossed
+    q, k, v = inputs(*shape)
+    mask = make_mask(mask_kind, B, H, L, S)
+    m = mask.float() if mask is not None and mask.is_floating_point() else mask
+    ref_out, ref_w = oracle(q, k, v, mask, "bottom_right")
+    out, none = td.decode_attention(q, k, v, m, "bottom_right")
+    assert none is None and err(out, ref_out) < 2e-6
+    out_w, w = td.decode_attention(q, k, v, m, "bottom_right", return_weights=True)
+    assert torch.equal(out_w, out) and err(w, ref_w) < 1e-6
+    _, avg = td.decode_attention(q, k, v, m, "bottom_right", return_weights="average")
+    assert err(avg, ref_w.mean(1, keepdims=True)) < 1e-6
+
+
+def test_decode_kernel_with_a_partly_filled_cache():
+    """A static cache: keys past each row's fill are garbage the range must exclude."""
+    B, H, Hkv, L, S, E = 2, 4, 2, 1, 128, 16
+    q, k, v = inputs(B, H, Hkv, L, S, E, E)
+    k[:, :, 90:] = 1e4  # unfilled slots: would dominate every score if read
+    fill = torch.tensor([90, 40])
+    start = torch.zeros(2, dtype=torch.long)
+    out, w = td.decode_attention(q, k, v, None, None, None, (start, fill), return_weights=True)
+    for b, n in enumerate(fill.tolist()):
+        ref_out, ref_w = oracle(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], None, None)
+        assert err(out[b : b + 1], ref_out) < 2e-6 and err(w[b : b + 1, ..., :n], ref_w) < 1e-6
+        assert (w[b, ..., n:] == 0).all()
+
+
+# --- the dispatch: under the interpreter, CPU tensors take the Triton kernels ---------------
+
+
+def test_dispatch_runs_the_weights_through_triton_and_explains_it():
+    q, k, v = inputs(2, 4, 2, 40, 45, 16, 16)
+    d = attnlab.explain(q, k, v, is_causal="bottom_right", return_weights="average")
+    assert d.path == "triton" and "interpreter" in str(d) and "averaged" in str(d)
+    out, w = attnlab.scaled_dot_product_attention(
+        q, k, v, is_causal="bottom_right", return_weights="average"
+    )
+    ref_out, ref_w = oracle(q, k, v, None, "bottom_right")
+    assert err(out, ref_out) < 2e-6 and err(w, ref_w.mean(1)) < 1e-6
+
+
+def test_dispatch_keeps_padding_from_lengths_and_explains_it():
+    q, k, v = inputs(2, 4, 4, 20, 50, 16, 16)
+    pad = masks.padding_mask([50, 17])
+    d = attnlab.explain(q, k, v, pad)
+    assert d.path == "triton" and "key ranges" in str(d)
+    out = attnlab.scaled_dot_product_attention(q, k, v, pad)
+    assert err(out, oracle(q, k, v, pad, None)[0]) < 2e-6
+
+
+def test_dispatch_fills_a_weights_out_buffer():
+    q, k, v = inputs(1, 2, 2, 33, 40, 16, 16)
+    buf = torch.full((1, 2, 33, 40), float("nan"))
+    with torch.no_grad():
+        out, w = attnlab.scaled_dot_product_attention(q, k, v, return_weights=True, weights_out=buf)
+    assert w is buf and err(buf, oracle(q, k, v, None, None)[1]) < 1e-6
+
+
+def test_decode_with_weights_takes_the_decode_kernel():
+    q, k, v = inputs(2, 6, 2, 1, 90, 16, 16)
+    d = attnlab.explain(q, k, v, is_causal="bottom_right", return_weights=True)
+    assert d.path == "triton" and "decode" in str(d)
+
+
+@pytest.mark.parametrize(
+    "case, path",
+    [
+        ("grad", "weights"),
+        ("float64", "weights"),
+        ("dropout", "cpu_flash"),
+        ("plain", "fused"),
+    ],
+)
+def test_what_the_kernels_do_not_take_keeps_the_existing_paths(case, path):
+    dtype = F64 if case == "float64" else torch.float32
+    q, k, v = inputs(1, 2, 2, 20, 20, 8, 8, dtype=dtype)
+    if case == "grad":
+        q.requires_grad_(True)
+    weights = case in ("grad", "float64")
+    d = attnlab.explain(
+        q, k, v, dropout_p=0.1 if case == "dropout" else 0.0, return_weights=weights
+    )
+    assert d.path == path, d
+    if weights:  # the fallback's result is still right
+        out, w = attnlab.scaled_dot_product_attention(q, k, v, return_weights=True)
+        ref_out, ref_w = oracle(q, k, v, None, None)
+        assert err(out, ref_out) < 2e-6 and err(w, ref_w) < 1e-6
+
+
+def test_nan_inputs_still_propagate_through_the_kernels():
+    q, k, v = inputs(1, 2, 2, 20, 20, 8, 8)
+    q[0, 1, 3, 0] = float("nan")
+    out, w = attnlab.scaled_dot_product_attention(q, k, v, return_weights=True)
+    assert out[0, 1, 3].isnan().all() and w[0, 1, 3].isnan().all()
+    assert not out[0, 0].isnan().any() and not out[0, 1, 4].isnan().any()
