@@ -1,0 +1,273 @@
+"""attnlab's Triton kernels against their peers on a GPU, one run, ratios (issue targets).
+
+    python benchmarks/bench_gpu.py                 # on a CUDA machine (an H100 for the targets)
+    python benchmarks/bench_gpu.py --only weights  # weights | padding | overhead | additive
+    TRITON_INTERPRET=1 python benchmarks/bench_gpu.py --smoke   # tiny shapes, CPU interpreter:
+                                                   # checks the script, times mean nothing
+
+Without CUDA (and without --smoke) it says so and exits 0. Each table times its cases
+round-robin (one call of each per round) with CUDA events, medians over rounds, and prints
+ratios against the peer measured in the same rounds:
+
+* weights  -- ``return_weights`` per head and averaged vs the fused call without weights
+  (torch SDPA), and the per-head target's bound: fused time + the time to write the weights
+  tensor at this device's measured copy bandwidth. Targets: averaged <= 2x fused, per head
+  <= 1.3x that bound. bf16, (4, 32, 4096, 128) causal and (8, 16, 1024, 64).
+* padding  -- lengths uniform in [L/2, L]: attnlab with ``masks.padding_mask(lengths)`` vs
+  FlexAttention with a block mask built from the lengths, and vs SDPA with the dense mask;
+  forward and forward+backward, causal and not. Target: no slower than FlexAttention.
+* overhead -- attnlab's fused path vs calling SDPA directly at tiny shapes: microseconds added
+  per call (target <= 5 us).
+* additive -- the fused additive-attention kernel (benchmarks/bench_gpu_additive.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import attnlab
+from attnlab import masks
+
+
+def timer(device: str) -> Callable[[Callable[[], object]], float]:
+    """Seconds one call takes: CUDA events on a GPU, wall clock elsewhere."""
+    if device == "cuda":
+
+        def cuda_time(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+
+        return cuda_time
+    return lambda fn: (lambda t0: (fn(), time.perf_counter() - t0)[1])(time.perf_counter())
+
+
+def round_robin(cases: dict, device: str, rounds: int, warmup: int = 3) -> dict[str, float]:
+    """Median seconds per case, timed one call of each case per round."""
+    clock = timer(device)
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
+    times = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            times[name].append(clock(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def peak_mib(fn, device: str) -> float:
+    if device != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def row(label: str, seconds: float, ref: float | None = None, extra: str = "") -> None:
+    ratio = f"x{seconds / ref:6.2f}" if ref else "       "
+    print(f"  {label:<44} {seconds * 1e3:10.3f} ms  {ratio}  {extra}")
+
+
+def qkv(B, H, L, E, device, dtype, grad=False, Hkv=None):
+    g = torch.Generator(device=device).manual_seed(0)
+    make = lambda h: torch.randn(B, h, L, E, device=device, dtype=dtype, generator=g)  # noqa: E731
+    q, k, v = make(H), make(Hkv or H), make(Hkv or H)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def copy_bandwidth(nbytes: int, device: str, rounds: int) -> float:
+    """Bytes per second of a device-to-device copy of ``nbytes`` (read + write counted once:
+    the rate at which a result of that size can be written)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    t = round_robin({"copy": lambda: dst.copy_(src)}, device, rounds)["copy"]
+    return nbytes / t
+
+
+def bench_weights(args) -> None:
+    print("== weights on demand: attnlab (Triton: forward + lse, then exp(s - lse)) vs fused ==")
+    shapes = [(1, 2, 80, 16, True), (1, 2, 64, 16, False)] if args.smoke else [
+        (4, 32, 4096, 128, True), (8, 16, 1024, 64, False)
+    ]  # fmt: skip
+    for B, H, L, E, causal in shapes:
+        q, k, v = qkv(B, H, L, E, args.device, args.dtype)
+        is_causal = "bottom_right" if causal else False
+        print(f"({B},{H},{L},{E}) {args.dtype} causal={causal}:", attnlab.explain(
+            q, k, v, is_causal=is_causal, return_weights=True).path)  # fmt: skip
+        buf = torch.empty(B, H, L, L, device=args.device, dtype=args.dtype)
+        with torch.no_grad():
+            cases = {
+                "fused (SDPA, no weights)": lambda: F.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal
+                ),
+                "attnlab weights averaged": lambda: attnlab.scaled_dot_product_attention(
+                    q, k, v, is_causal=is_causal, return_weights="average"
+                ),
+                "attnlab weights per head": lambda: attnlab.scaled_dot_product_attention(
+                    q, k, v, is_causal=is_causal, return_weights=True
+                ),
+                "attnlab weights per head, weights_out": lambda: (
+                    attnlab.scaled_dot_product_attention(
+                        q, k, v, is_causal=is_causal, return_weights=True, weights_out=buf
+                    )
+                ),
+            }
+            t = round_robin(cases, args.device, args.rounds)
+        fused = t["fused (SDPA, no weights)"]
+        nbytes = buf.numel() * buf.element_size()
+        write = nbytes / copy_bandwidth(nbytes, args.device, args.rounds)
+        bound = fused + write
+        for name, s in t.items():
+            row(name, s, fused)
+        row("bound: fused + writing the weights", bound, fused, f"({nbytes / 2**30:.2f} GiB)")
+        print(
+            f"  targets: averaged x{t['attnlab weights averaged'] / fused:.2f} of fused (<= 2);"
+            f" per head x{t['attnlab weights per head, weights_out'] / bound:.2f} of the bound"
+            f" (<= 1.3; fresh tensor x{t['attnlab weights per head'] / bound:.2f})"
+        )
+
+
+def flex_case(q, k, v, lengths, causal):
+    """FlexAttention with a block mask built from the lengths (the peer), or why not."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as e:
+        return None, f"FlexAttention unavailable ({e})"
+    B, H, L, _ = q.shape
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = kv_idx < lengths[b]
+        return keep & (kv_idx <= q_idx) if causal else keep
+
+    try:
+        block = create_block_mask(mask_mod, B, None, L, L, device=q.device)
+        flex = torch.compile(flex_attention)
+        flex(q, k, v, block_mask=block)
+    except Exception as e:  # noqa: BLE001 (a peer that cannot run here is reported, not fatal)
+        return None, f"FlexAttention failed here: {type(e).__name__}: {str(e)[:120]}"
+    return (lambda: flex(q, k, v, block_mask=block)), None
+
+
+def bench_padding(args) -> None:
+    print("== padding as lengths in [L/2, L]: attnlab vs FlexAttention block mask vs dense ==")
+    shapes = [(2, 2, 80, 16)] if args.smoke else [(8, 16, 1024, 64), (4, 32, 4096, 128), (
+        32, 16, 128, 64)]  # fmt: skip
+    for B, H, L, E in shapes:
+        g = torch.Generator().manual_seed(1)
+        lengths = torch.randint(L // 2, L + 1, (B,), generator=g).to(args.device)
+        pad = masks.padding_mask(lengths, L)
+        dense = masks.plain(pad)
+        for causal in (False, True):
+            for train in (False, True):
+                q, k, v = qkv(B, H, L, E, args.device, args.dtype, grad=train)
+                is_causal = "top_left" if causal else False
+                grad = torch.randn_like(q)
+                path = attnlab.explain(q, k, v, pad, is_causal=is_causal).path
+
+                def step(fn):
+                    if not train:
+                        with torch.no_grad():
+                            return fn()
+                    out = fn()
+                    out.backward(grad)
+                    return out
+
+                cases = {
+                    f"attnlab ({path})": lambda: step(
+                        lambda: attnlab.scaled_dot_product_attention(
+                            q, k, v, pad, is_causal=is_causal
+                        )
+                    ),
+                    "SDPA, dense (B,1,1,S) mask": lambda: step(
+                        lambda: F.scaled_dot_product_attention(
+                            q, k, v, dense & _tril(L, causal, q.device)
+                        )
+                    ),
+                }
+                flex, why = flex_case(q, k, v, lengths, causal)
+                if flex is not None:
+                    cases["FlexAttention, block mask"] = lambda: step(flex)
+                t = round_robin(cases, args.device, args.rounds)
+                peer = t.get("FlexAttention, block mask", t["SDPA, dense (B,1,1,S) mask"])
+                what = "fwd+bwd" if train else "fwd"
+                print(f"({B},{H},{L},{E}) {args.dtype} causal={causal} {what}:")
+                for name, s in t.items():
+                    row(name, s, peer)
+                if why:
+                    print("  " + why)
+
+
+def _tril(L, causal, device):
+    if not causal:
+        return torch.ones(L, L, dtype=torch.bool, device=device)
+    return torch.ones(L, L, dtype=torch.bool, device=device).tril()
+
+
+def bench_overhead(args) -> None:
+    print("== call overhead: attnlab's fused path vs SDPA called directly ==")
+    for B, H, L, E in [(1, 8, 64, 64)] + ([] if args.smoke else [(16, 16, 512, 64)]):
+        q, k, v = qkv(B, H, L, E, args.device, args.dtype)
+        with torch.no_grad():
+            cases = {
+                "SDPA": lambda: F.scaled_dot_product_attention(q, k, v),
+                "attnlab": lambda: attnlab.scaled_dot_product_attention(q, k, v),
+            }
+            # wall clock of many back-to-back calls: the host cost is what differs
+            n = 20 if args.smoke else 200
+            loops = {name: (lambda fn=fn: [fn() for _ in range(n)]) for name, fn in cases.items()}
+            t = round_robin(loops, args.device, args.rounds)
+        sdpa, ours = t["SDPA"] / n, t["attnlab"] / n
+        print(
+            f"  ({B},{H},{L},{E}) {args.dtype}: SDPA {sdpa * 1e6:.1f} us, attnlab "
+            f"{ours * 1e6:.1f} us: +{(ours - sdpa) * 1e6:.1f} us per call (target <= 5)"
+        )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", choices=["weights", "padding", "overhead", "additive"])
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
+    args = p.parse_args(argv)
+    args.dtype = getattr(torch, args.dtype)
+    if torch.cuda.is_available() and not args.smoke:
+        args.device = "cuda"
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    elif args.smoke:
+        args.device, args.rounds = "cpu", min(args.rounds, 2)
+        print("smoke run on CPU: checks the script only; the times mean nothing")
+    else:
+        print(
+            "bench_gpu: no CUDA device here; nothing to measure (use --smoke to check the script)"
+        )
+        return 0
+    chosen = [args.only] if args.only else ["weights", "padding", "overhead", "additive"]
+    for name in chosen:
+        if name == "additive":
+            try:
+                import bench_gpu_additive
+            except ImportError:
+                print("== additive: benchmarks/bench_gpu_additive.py not found ==")
+                continue
+            bench_gpu_additive.run(args)
+        else:
+            globals()[f"bench_{name}"](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
