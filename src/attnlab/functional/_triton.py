@@ -12,8 +12,8 @@ exercise it):
 * **padding kept as lengths** -- a mask from :func:`attnlab.masks.padding_mask` carries each
   row's key range; the kernel skips the padding's key blocks instead of reading a mask.
 
-Calls that need gradients, dropout, float64, a head dim over 256 or a mask the kernels cannot
-express keep the existing paths; ``explain()`` says why.
+Weights with autograd, dropout, float64, a head dim over 256 or a mask that takes gradients
+keep the existing paths; ``explain()`` says why.
 """
 
 from __future__ import annotations
@@ -34,13 +34,15 @@ def key_range_of(mask, query: torch.Tensor, key: torch.Tensor):
     return key_range
 
 
-def unfit(q, k, v, mask, dropout_p, grad) -> str | None:
+def unfit(q, k, v, mask, dropout_p, grad, return_weights=False) -> str | None:
     """None when a Triton kernel may run this call, else why not."""
     why = _triton.unfit(q, k, v, mask)
     if why is not None:
         return why
-    if grad:
-        return "autograd (the Triton kernels have no backward yet)"
+    if grad and return_weights:
+        return "weights with autograd (the blocked weights path has their backward)"
+    if grad and mask is not None and mask.requires_grad:
+        return "a mask that takes gradients"
     if dropout_p > 0:
         return "dropout (not in the Triton kernels)"
     from attnlab.kernels import triton_attention
@@ -48,7 +50,7 @@ def unfit(q, k, v, mask, dropout_p, grad) -> str | None:
     return triton_attention.supports(q, k, v, mask)
 
 
-def describe(q, k, return_weights, key_range) -> str:
+def describe(q, k, return_weights, key_range, grad=False) -> str:
     """One line for ``explain()``: which Triton kernel(s) run."""
     G, L = q.shape[1] // k.shape[1], q.shape[2]
     decode = _decode_fits(q, k)
@@ -64,7 +66,10 @@ def describe(q, k, return_weights, key_range) -> str:
             f"forward with row log-sum-exp, then weights ({what}) = exp(s - lse) tile by tile"
         )
     else:
-        parts.append("forward (flash tiling, online softmax)")
+        parts.append(
+            "forward (flash tiling, online softmax)"
+            + ("; backward by the dK/dV and dQ kernels, from the row log-sum-exp" if grad else "")
+        )
     if key_range is not None:
         parts.append("padding as per-row key ranges: key blocks outside them skipped, no mask read")
     return "; ".join(parts)
@@ -82,6 +87,10 @@ def run(q, k, v, mask, alignment, scale, return_weights, key_range, buffer=None)
 
     if key_range is not None:
         mask = None  # the range says everything the padding mask said
+    if not return_weights and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        from attnlab.kernels.triton_backward import TritonAttention
+
+        return TritonAttention.apply(q, k, v, mask, alignment, scale, key_range), None
     if return_weights and _decode_fits(q, k):
         out, weights = triton_decode.decode_attention(
             q, k, v, mask, alignment, scale, key_range, return_weights

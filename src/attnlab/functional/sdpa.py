@@ -12,7 +12,7 @@
   block's weights from the row log-sum-exp (:mod:`attnlab.functional._weights`).
 * **triton** -- attnlab's Triton kernels (:mod:`attnlab.functional._triton`), on CUDA (and on
   CPU under ``TRITON_INTERPRET=1``): weights on demand from the row log-sum-exp, and padding
-  kept as lengths (key blocks outside each row's range skipped), without autograd.
+  kept as lengths (key blocks outside each row's range skipped, forward and backward).
 * **cpu_flash** -- attnlab's blocked CPU kernel (:mod:`attnlab.kernels.cpu_flash`), where
   torch's CPU kernel falls short: dropout (torch's has none and falls back to its math path)
   and 16-bit training (torch's bf16 backward is slower than its float32 one).
@@ -126,9 +126,11 @@ def _choose(
         )
     if return_weights or key_range is not None:
         training = _needs_grad(query, key, value, attn_mask)
-        unfit = _triton.unfit(query, key, value, attn_mask, dropout_p, training)
+        unfit = _triton.unfit(query, key, value, attn_mask, dropout_p, training, return_weights)
         if unfit is None:
-            return Dispatch("triton", (_triton.describe(query, key, return_weights, key_range),))
+            return Dispatch(
+                "triton", (_triton.describe(query, key, return_weights, key_range, training),)
+            )
     if return_weights:
         heads, rows = block_shape(
             query.shape[1], query.shape[2], key.shape[2], query.element_size()

@@ -1,0 +1,223 @@
+"""The backward pass of :mod:`attnlab.kernels.triton_attention`, and the autograd function.
+
+From the forward's output ``O`` and row log-sum-exp ``lse`` (FlashAttention-2's backward,
+Dao 2023; Triton's fused-attention tutorial)::
+
+    p_ij    = exp(s_ij - lse_i)                     recomputed tile by tile, never stored
+    delta_i = sum_e dO_ie O_ie                      (= sum_j p_ij dp_ij)
+    dp_ij   = dO_i . v_j
+    ds_ij   = p_ij (dp_ij - delta_i)
+    dV_j    = sum_i p_ij dO_i
+    dK_j    = scale * sum_i ds_ij q_i
+    dQ_i    = scale * sum_j ds_ij k_j
+
+Two kernels, so that no two programs add into the same memory (no atomics):
+
+* ``_dkdv_kernel``: one program per (key block, batch, kv head) walks the query blocks that may
+  see its keys -- of all G query heads of its group (GQA: the group's gradients are summed in
+  the program) -- and writes dK, dV once;
+* ``_dq_kernel``: one program per (query block, batch, head) walks the key blocks, as the
+  forward does, and writes dQ once.
+
+Key blocks outside a row's key range (padding as lengths) and past the causal diagonal are
+skipped in both. Rows with no attendable key have ``lse = +inf``: ``p = 0``, no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnlab.kernels.triton_attention import (
+    _allowed,
+    _blocks,
+    _dot,
+    _dot_mode,
+    _key_range,
+    _mask_args,
+    _range_args,
+    attention_forward,
+)
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, M, KSTART, KEND, DO, LSE, DELTA, DK, DV,
+    sqb, sqh, sql, sqe, skb, skh, sks, ske, svb, svh, svs, sve, smb, smh, sml, sms,
+    H, Hkv, G, L, S, E, EV, scale, causal_offset,
+    CAUSAL: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    bk = tl.program_id(1)  # b * Hkv + hk
+    b = bk // Hkv
+    hk = bk % Hkv
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    key_ok = offs_n < S
+    k = tl.load(
+        K + b * skb + hk * skh + offs_n[:, None] * sks + offs_e[None, :] * ske,
+        mask=key_ok[:, None] & (offs_e[None, :] < E),
+        other=0.0,
+    )  # (BLOCK_N, BLOCK_E)
+    v = tl.load(
+        V + b * svb + hk * svh + offs_n[:, None] * svs + offs_ev[None, :] * sve,
+        mask=key_ok[:, None] & (offs_ev[None, :] < EV),
+        other=0.0,
+    )  # (BLOCK_N, BLOCK_EV)
+    lo = 0
+    hi = S
+    if HAS_RANGE:
+        lo = tl.load(KSTART + b)
+        hi = tl.minimum(tl.load(KEND + b), S)
+    dk = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_EV], tl.float32)
+    first = 0
+    if CAUSAL:  # rows i with i + offset >= the block's first key
+        first = tl.maximum(pid_n * BLOCK_N - causal_offset, 0) // BLOCK_M * BLOCK_M
+    skip = (pid_n * BLOCK_N >= hi) | ((pid_n + 1) * BLOCK_N <= lo)
+    first = first + skip.to(tl.int32) * L  # no row may see these keys: the loops do not run
+    for h in range(hk * G, hk * G + G):
+        for start in range(first, L, BLOCK_M):
+            offs_m = start + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < L
+            q = tl.load(
+                Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
+                mask=row_ok[:, None] & (offs_e[None, :] < E),
+                other=0.0,
+            )  # (BLOCK_M, BLOCK_E)
+            s = _dot(q, tl.trans(k), DOT) * scale  # (BLOCK_M, BLOCK_N)
+            s = _allowed(
+                s, M, b * smb + h * smh, offs_m, offs_n, sml, sms, lo, hi, L, causal_offset,
+                CAUSAL, MASK,
+            )  # fmt: skip
+            row = (b * H + h) * L + offs_m
+            lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
+            delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+            p = tl.exp(s - lse[:, None])  # (BLOCK_M, BLOCK_N), 0 where masked or dead
+            do = tl.load(
+                DO + ((b * H + h) * L + offs_m[:, None]) * EV + offs_ev[None, :],
+                mask=row_ok[:, None] & (offs_ev[None, :] < EV),
+                other=0.0,
+            )  # (BLOCK_M, BLOCK_EV): dO is made contiguous by the launcher
+            dv += _dot(tl.trans(p.to(do.dtype)), do, DOT)
+            dp = _dot(do, tl.trans(v), DOT)  # (BLOCK_M, BLOCK_N)
+            ds = p * (dp - delta[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT)
+    out = (bk * S + offs_n)[:, None]  # dK, dV contiguous (B, Hkv, S, *)
+    tl.store(DK + out * E + offs_e[None, :], (dk * scale).to(DK.dtype.element_ty),
+             mask=key_ok[:, None] & (offs_e[None, :] < E))  # fmt: skip
+    tl.store(DV + out * EV + offs_ev[None, :], dv.to(DV.dtype.element_ty),
+             mask=key_ok[:, None] & (offs_ev[None, :] < EV))  # fmt: skip
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, M, KSTART, KEND, DO, LSE, DELTA, DQ,
+    sqb, sqh, sql, sqe, skb, skh, sks, ske, svb, svh, svs, sve, smb, smh, sml, sms,
+    H, G, L, S, E, EV, scale, causal_offset,
+    CAUSAL: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    row_ok = offs_m < L
+    q = tl.load(
+        Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
+        mask=row_ok[:, None] & (offs_e[None, :] < E),
+        other=0.0,
+    )
+    do = tl.load(
+        DO + (bh * L + offs_m[:, None]) * EV + offs_ev[None, :],
+        mask=row_ok[:, None] & (offs_ev[None, :] < EV),
+        other=0.0,
+    )
+    lse = tl.load(LSE + bh * L + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + bh * L + offs_m, mask=row_ok, other=0.0)
+    lo, hi = _key_range(KSTART, KEND, b, pid_m, S, causal_offset, HAS_RANGE, CAUSAL, BLOCK_M)
+    dq = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        k = tl.load(
+            K + b * skb + hk * skh + offs_n[:, None] * sks + offs_e[None, :] * ske,
+            mask=(offs_n[:, None] < S) & (offs_e[None, :] < E),
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_E)
+        v = tl.load(
+            V + b * svb + hk * svh + offs_n[:, None] * svs + offs_ev[None, :] * sve,
+            mask=(offs_n[:, None] < S) & (offs_ev[None, :] < EV),
+            other=0.0,
+        )
+        s = _dot(q, tl.trans(k), DOT) * scale
+        s = _allowed(
+            s, M, b * smb + h * smh, offs_m, offs_n, sml, sms, lo, hi, L, causal_offset, CAUSAL,
+            MASK,
+        )  # fmt: skip
+        p = tl.exp(s - lse[:, None])
+        dp = _dot(do, tl.trans(v), DOT)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, DOT)
+    tl.store(
+        DQ + (bh * L + offs_m[:, None]) * E + offs_e[None, :],
+        (dq * scale).to(DQ.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_e[None, :] < E),
+    )
+
+
+def attention_backward(q, k, v, out, lse, grad_out, mask, alignment, scale, key_range):
+    """dQ (B, H, L, E), dK (B, Hkv, S, E), dV (B, Hkv, S, Ev) by the two kernels."""
+    B, H, L, E = q.shape
+    Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[-1]
+    do = grad_out.contiguous()
+    delta = (do.float() * out.float()).sum(-1)  # (B, H, L)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty(B, Hkv, S, E, device=k.device, dtype=k.dtype)
+    dv = torch.empty(B, Hkv, S, Ev, device=v.device, dtype=v.dtype)
+    kind, m, ms = _mask_args(mask, q, S)
+    has_range, start, end = _range_args(key_range, q)
+    offset = (S - L) if alignment == "bottom_right" else 0
+    BM, BN, BE, BEV, warps = _blocks(E, Ev)
+    BM, BN = min(BM, 64), min(BN, 64)  # three tiles of gradients live at once: smaller tiles
+    common = dict(
+        CAUSAL=alignment is not None, MASK=kind, HAS_RANGE=has_range, DOT=_dot_mode(q.dtype),
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=warps,
+    )  # fmt: skip
+    strides = (*q.stride(), *k.stride(), *v.stride(), *ms)
+    _dkdv_kernel[(triton.cdiv(S, BN), B * Hkv)](
+        q, k, v, m, start, end, do, lse, delta, dk, dv, *strides,
+        H, Hkv, H // Hkv, L, S, E, Ev, scale, offset, **common,
+    )  # fmt: skip
+    _dq_kernel[(triton.cdiv(L, BM), B * H)](
+        q, k, v, m, start, end, do, lse, delta, dq, *strides,
+        H, H // Hkv, L, S, E, Ev, scale, offset, **common,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+class TritonAttention(torch.autograd.Function):
+    """Attention by the Triton kernels, forward and backward: saves Q, K, V, O and the row
+    log-sum-exp (B, H, L) -- never the (B, H, L, S) weights."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, alignment, scale, key_range):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        out, lse = attention_forward(q, k, v, mask, alignment, scale, key_range)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask, ctx.alignment, ctx.scale, ctx.key_range = mask, alignment, scale, key_range
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(
+            q, k, v, out, lse, grad_out, ctx.mask, ctx.alignment, ctx.scale, ctx.key_range
+        )
+        return dq, dk, dv, None, None, None, None
