@@ -100,3 +100,30 @@ def test_restrict_limits_bool_masks_and_biases_to_the_allowed_keys():
     assert limited[:, :2].tolist() == bias[:, :2].tolist()  # kept where allowed
     assert torch.isneginf(limited[:, 2]).all()
     assert masks.restrict(None, allowed) is allowed and masks.restrict(bias, None) is bias
+
+
+def test_document_mask_is_block_diagonal_and_equals_the_oracle():
+    m = masks.document_mask([2, 0, 3])
+    np.testing.assert_array_equal(m.numpy(), R.document_mask([2, 0, 3]))
+    assert m.tolist()[1] == [True, True, False, False, False]
+    assert m.tolist()[4] == [False, False, True, True, True]
+    start, end = m.key_range  # (1, T): each query's document span
+    assert start.tolist() == [[0, 0, 2, 2, 2]] and end.tolist() == [[2, 2, 5, 5, 5]]
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        masks.document_mask([2, -1])
+
+
+def test_structure_carried_by_masks_describes_the_same_mask():
+    """The key ranges and bands kernels use instead of the mask say exactly what it says."""
+    pad = masks.padding_mask([3, 5], 6, side="left")
+    start, end = pad.key_range
+    j = torch.arange(6)
+    same = (j >= start[:, None]) & (j < end[:, None])
+    assert torch.equal(pad[:, 0, 0], same)
+    for alignment, (L, S) in (("top_left", (4, 7)), ("bottom_right", (4, 7))):
+        for causal in (True, False):
+            m = masks.sliding_window_mask(L, S, window=3, alignment=alignment, causal=causal)
+            offset, lo, hi = m.band
+            d = torch.arange(S)[None, :] - (torch.arange(L)[:, None] + offset)
+            assert torch.equal(m.as_subclass(torch.Tensor), (d >= lo) & (d <= hi))
+    assert not hasattr(masks.and_masks(pad, pad), "key_range")  # operations drop it

@@ -45,6 +45,7 @@ __all__ = [
     "Mask",
     "and_masks",
     "causal_mask",
+    "document_mask",
     "expand_key_padding",
     "from_torch_mask",
     "or_masks",
@@ -203,7 +204,12 @@ def sliding_window_mask(
     keep = (distance < window) & (distance > -window)
     if causal:
         keep &= distance >= 0
-    return Mask(keep)
+    mask = Mask(keep)
+    if isinstance(mask, Mask):  # the structure, for kernels that skip blocks outside the band:
+        # key j may be attended by query i iff lo <= j - (i + offset) <= hi
+        offset = int(q_pos[0, 0]) if query_length else 0
+        mask.band = (offset, -(window - 1), 0 if causal else window - 1)
+    return mask
 
 
 def padding_mask(
@@ -253,6 +259,44 @@ def padding_mask(
         # The structure, kept: kernels that take it skip the key blocks outside [start, end)
         # instead of reading the mask (attnlab.explain says when).
         mask.key_range = (start, end)
+    return mask
+
+
+def document_mask(
+    lengths: torch.Tensor | Sequence[int], *, device: torch.device | str | None = None
+) -> Mask:
+    """Packed sequences: several documents back to back in one row of T = sum(lengths) tokens,
+    each token attending only tokens of its own document. Shape (T, T), block diagonal.
+
+    lengths=[2, 3]::
+
+        ■ ■ · · ·
+        ■ ■ · · ·
+        · · ■ ■ ■
+        · · ■ ■ ■
+        · · ■ ■ ■
+
+    Combine with ``is_causal=True`` for causal packed training (FlashAttention's varlen with
+    cumulative lengths ``cu_seqlens = [0, *cumsum(lengths)]``). The result remembers each
+    query's key range (``mask.key_range``: (1, T) start and end), so kernels that take ranges
+    skip the other documents' key blocks instead of reading the mask.
+    """
+    lengths = torch.as_tensor(lengths, device=device)
+    if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
+        raise ValueError(
+            f"lengths must be a 1-D sequence of ints (documents,); got "
+            f"{tuple(lengths.shape)} {lengths.dtype}."
+        )
+    if (lengths < 0).any():
+        raise ValueError(f"lengths must be >= 0; got {lengths.tolist()}.")
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    ends = lengths.cumsum(0)  # (documents,)
+    start, end = (ends - lengths)[doc], ends[doc]  # (T,) each token's document span
+    pos = torch.arange(len(doc), device=lengths.device)
+    keep = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])  # (T, T)
+    mask = Mask(keep)
+    if isinstance(mask, Mask):
+        mask.key_range = (start[None, :], end[None, :])  # (1, T): one range per query row
     return mask
 
 

@@ -26,20 +26,21 @@ def grads(fn, q, k, v, g, dtype):
     return [t.grad.double() for t in leaves]
 
 
-def check(q, k, v, mask, alignment, key_range, dtype, floor):
+def check(q, k, v, mask, alignment, key_range, dtype, floor, band=None):
     g = torch.randn(
         *q.shape[:-1], v.shape[-1], dtype=F64, generator=torch.Generator().manual_seed(5)
     )
     cast = lambda m, d: m.to(d) if m is not None and m.is_floating_point() else m  # noqa: E731
     exact = grads(
-        lambda *t: ta.reference(*t, cast(mask, F64), alignment, None, key_range)[0], q, k, v, g, F64
-    )
+        lambda *t: ta.reference(*t, cast(mask, F64), alignment, None, key_range, band)[0],
+        q, k, v, g, F64,
+    )  # fmt: skip
     naive = grads(
-        lambda *t: ta.reference(*t, cast(mask, dtype), alignment, None, key_range)[0].to(dtype),
+        lambda *t: ta.reference(*t, cast(mask, dtype), alignment, None, key_range, band)[0],
         q, k, v, g, dtype,
     )  # fmt: skip
     got = grads(
-        lambda *t: TritonAttention.apply(*t, cast(mask, dtype), alignment, None, key_range),
+        lambda *t: TritonAttention.apply(*t, cast(mask, dtype), alignment, None, key_range, band),
         q, k, v, g, dtype,
     )  # fmt: skip
     for name, e, n, a in zip("qkv", exact, naive, got, strict=True):
@@ -99,3 +100,11 @@ def test_training_with_padding_from_lengths_takes_the_kernels_end_to_end():
     ta.reference(*ref, pad, "top_left")[0].square().sum().backward()
     for a, e in zip(leaves, ref, strict=True):
         assert (a.grad.double() - e.grad).abs().max() < 1e-5
+
+
+def test_gradients_with_packed_documents_and_a_window():
+    q, k, v = inputs(2, 4, 2, 51, 51, 16, 16)
+    docs = masks.document_mask([20, 1, 30])
+    check(q, k, v, None, "top_left", docs.key_range, torch.float32, 5e-6)
+    window = masks.sliding_window_mask(51, 51, window=9, alignment="top_left")
+    check(q, k, v, None, None, None, torch.float32, 5e-6, band=window.band)

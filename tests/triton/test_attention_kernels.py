@@ -215,3 +215,45 @@ def test_nan_inputs_still_propagate_through_the_kernels():
     out, w = attnlab.scaled_dot_product_attention(q, k, v, return_weights=True)
     assert out[0, 1, 3].isnan().all() and w[0, 1, 3].isnan().all()
     assert not out[0, 0].isnan().any() and not out[0, 1, 4].isnan().any()
+
+
+# --- masks kept as structure: packed documents and sliding windows -------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_documents_as_row_ranges_equal_the_document_mask(causal):
+    docs = [7, 0, 40, 1, 25]  # T = 73: documents cross tile edges; an empty one
+    T = sum(docs)
+    q, k, v = inputs(2, 4, 2, T, T, 16, 16)
+    m = masks.document_mask(docs)
+    d = attnlab.explain(q, k, v, m, is_causal=causal, return_weights=True)
+    assert d.path == "triton" and "packed documents" in str(d)
+    out, w = attnlab.scaled_dot_product_attention(q, k, v, m, is_causal=causal, return_weights=True)
+    ref_out, ref_w = oracle(q, k, v, m.as_subclass(torch.Tensor), "top_left" if causal else None)
+    assert err(out, ref_out) < 2e-6 and err(w, ref_w) < 1e-6
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sliding_window_as_a_band_equals_the_window_mask(alignment, causal):
+    L, S = 50, 90
+    q, k, v = inputs(1, 4, 1, L, S, 16, 16)
+    m = masks.sliding_window_mask(L, S, window=21, alignment=alignment, causal=causal)
+    d = attnlab.explain(q, k, v, m, return_weights="average")
+    assert d.path == "triton" and "band" in str(d)
+    out, w = attnlab.scaled_dot_product_attention(q, k, v, m, return_weights="average")
+    ref_out, ref_w = oracle(q, k, v, m.as_subclass(torch.Tensor), None)
+    assert err(out, ref_out) < 2e-6 and err(w, ref_w.mean(1)) < 1e-6
+    # with is_causal as well: the two bands intersect
+    out = attnlab.scaled_dot_product_attention(q, k, v, m, is_causal=alignment)
+    both = m.as_subclass(torch.Tensor) & masks.causal_keep(L, S, alignment, "cpu")
+    assert err(out, oracle(q, k, v, both, None)[0]) < 2e-6
+
+
+def test_decode_with_a_window_and_weights():
+    q, k, v = inputs(2, 6, 2, 1, 120, 16, 16)
+    m = masks.sliding_window_mask(1, 120, window=33, alignment="bottom_right")
+    out, w = attnlab.scaled_dot_product_attention(q, k, v, m, return_weights=True)
+    ref_out, ref_w = oracle(q, k, v, m.as_subclass(torch.Tensor), None)
+    assert err(out, ref_out) < 2e-6 and err(w, ref_w) < 1e-6
+    assert (w[..., : 120 - 33] == 0).all()

@@ -9,8 +9,10 @@ exercise it):
   (:mod:`attnlab.kernels.triton_attention`); a few query rows against a long cache take the
   split-key decode kernel, which returns the weights in the same pass
   (:mod:`attnlab.kernels.triton_decode`);
-* **padding kept as lengths** -- a mask from :func:`attnlab.masks.padding_mask` carries each
-  row's key range; the kernel skips the padding's key blocks instead of reading a mask.
+* **masks kept as structure** -- a mask from :func:`attnlab.masks.padding_mask` carries each
+  batch row's key range, :func:`~attnlab.masks.document_mask` (packed sequences) each query
+  row's, :func:`~attnlab.masks.sliding_window_mask` its band: the kernels skip the key blocks
+  outside them instead of reading an (L, S) mask, forward and backward.
 
 Weights with autograd, dropout, float64, a head dim over 256 or a mask that takes gradients
 keep the existing paths; ``explain()`` says why.
@@ -23,15 +25,24 @@ import torch
 from attnlab.kernels import _triton
 
 
-def key_range_of(mask, query: torch.Tensor, key: torch.Tensor):
-    """The (start, end) key range a padding mask carries, when it applies to these 4-D inputs."""
-    key_range = getattr(mask, "key_range", None)
-    if key_range is None or query.dim() != 4:
-        return None
-    B, S = query.shape[0], key.shape[-2]
-    if tuple(mask.shape) != (B, 1, 1, S) or key_range[0].shape != (B,):
-        return None
-    return key_range
+def structure_of(mask, query: torch.Tensor, key: torch.Tensor):
+    """(key_range, band) that a mask from :mod:`attnlab.masks` carries, when it applies to
+    these inputs as built (a padding mask (B, 1, 1, S), a document mask or a sliding window
+    (L, S)); (None, None) otherwise, and the mask is read as it is."""
+    key_range, band = getattr(mask, "key_range", None), getattr(mask, "band", None)
+    if mask is None or (key_range is None and band is None) or query.dim() != 4:
+        return None, None
+    B, L, S = query.shape[0], query.shape[-2], key.shape[-2]
+    shape = tuple(mask.shape)
+    if key_range is not None and key_range[0].dim() == 1:  # padding: one range per batch row
+        return (
+            (key_range, None) if shape == (B, 1, 1, S) and len(key_range[0]) == B else (None,) * 2
+        )
+    if shape[-2:] != (L, S) or any(n != 1 for n in shape[:-2]):
+        return None, None
+    if key_range is not None and tuple(key_range[0].shape) != (1, L):
+        return None, None
+    return key_range, band
 
 
 def unfit(q, k, v, mask, dropout_p, grad, return_weights=False) -> str | None:
@@ -50,7 +61,7 @@ def unfit(q, k, v, mask, dropout_p, grad, return_weights=False) -> str | None:
     return triton_attention.supports(q, k, v, mask)
 
 
-def describe(q, k, return_weights, key_range, grad=False) -> str:
+def describe(q, k, return_weights, key_range, band=None, grad=False) -> str:
     """One line for ``explain()``: which Triton kernel(s) run."""
     G, L = q.shape[1] // k.shape[1], q.shape[2]
     decode = _decode_fits(q, k)
@@ -70,8 +81,14 @@ def describe(q, k, return_weights, key_range, grad=False) -> str:
             "forward (flash tiling, online softmax)"
             + ("; backward by the dK/dV and dQ kernels, from the row log-sum-exp" if grad else "")
         )
-    if key_range is not None:
-        parts.append("padding as per-row key ranges: key blocks outside them skipped, no mask read")
+    if key_range is not None and key_range[0].dim() == 1:
+        parts.append("padding as key ranges per batch row: key blocks outside them skipped")
+    elif key_range is not None:
+        parts.append("packed documents as key ranges per query row: other documents skipped")
+    if band is not None:
+        parts.append(f"sliding window as a band {band[1]}..{band[2]}: key blocks outside skipped")
+    if key_range is not None or band is not None:
+        parts.append("no mask read")
     return "; ".join(parts)
 
 
@@ -81,27 +98,29 @@ def _decode_fits(q, k) -> bool:
     return triton_decode.supports(q, k, None, None) is None and q.shape[2] < k.shape[2]
 
 
-def run(q, k, v, mask, alignment, scale, return_weights, key_range, buffer=None):
+def run(q, k, v, mask, alignment, scale, return_weights, structure=(None, None), buffer=None):
     """out (B, H, L, Ev) and weights (B, H or 1, L, S) or None, by the Triton kernels."""
     from attnlab.kernels import triton_attention, triton_decode
 
-    if key_range is not None:
-        mask = None  # the range says everything the padding mask said
+    key_range, band = structure
+    if key_range is not None or band is not None:
+        mask = None  # the ranges and the band say everything the mask said
     if not return_weights and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         from attnlab.kernels.triton_backward import TritonAttention
 
-        return TritonAttention.apply(q, k, v, mask, alignment, scale, key_range), None
+        return TritonAttention.apply(q, k, v, mask, alignment, scale, key_range, band), None
     if return_weights and _decode_fits(q, k):
         out, weights = triton_decode.decode_attention(
-            q, k, v, mask, alignment, scale, key_range, return_weights
+            q, k, v, mask, alignment, scale, key_range, return_weights, band
         )
         if buffer is not None:
             weights = buffer.copy_(weights)
         return out, weights
-    out, lse = triton_attention.attention_forward(q, k, v, mask, alignment, scale, key_range)
+    out, lse = triton_attention.attention_forward(q, k, v, mask, alignment, scale, key_range, band)
     if not return_weights:
         return out, None
+    average = return_weights == "average"
     weights = triton_attention.attention_weights(
-        q, k, lse, mask, alignment, scale, key_range, return_weights == "average", buffer
+        q, k, lse, mask, alignment, scale, key_range, average, buffer, band
     )
     return out, weights

@@ -11,8 +11,9 @@
   when weights are requested; with autograd (float32/float64) its backward recomputes each
   block's weights from the row log-sum-exp (:mod:`attnlab.functional._weights`).
 * **triton** -- attnlab's Triton kernels (:mod:`attnlab.functional._triton`), on CUDA (and on
-  CPU under ``TRITON_INTERPRET=1``): weights on demand from the row log-sum-exp, and padding
-  kept as lengths (key blocks outside each row's range skipped, forward and backward).
+  CPU under ``TRITON_INTERPRET=1``): weights on demand from the row log-sum-exp, and masks
+  kept as structure (padding lengths, packed documents, sliding windows: key blocks outside
+  them skipped, forward and backward).
 * **cpu_flash** -- attnlab's blocked CPU kernel (:mod:`attnlab.kernels.cpu_flash`), where
   torch's CPU kernel falls short: dropout (torch's has none and falls back to its math path)
   and 16-bit training (torch's bf16 backward is slower than its float32 one).
@@ -97,7 +98,7 @@ def _choose(
     dropout_p: float,
     return_weights: bool | str,
     value: torch.Tensor | None = None,
-    key_range=None,
+    structure=(None, None),
     *,
     why: bool = True,
 ) -> Dispatch:
@@ -124,12 +125,12 @@ def _choose(
                 + " -- the blocked weights backward takes float32/float64 and a constant mask",
             ),
         )
-    if return_weights or key_range is not None:
+    if return_weights or structure != (None, None):
         training = _needs_grad(query, key, value, attn_mask)
         unfit = _triton.unfit(query, key, value, attn_mask, dropout_p, training, return_weights)
         if unfit is None:
             return Dispatch(
-                "triton", (_triton.describe(query, key, return_weights, key_range, training),)
+                "triton", (_triton.describe(query, key, return_weights, *structure, training),)
             )
     if return_weights:
         heads, rows = block_shape(
@@ -202,10 +203,10 @@ def explain(
     """Which path :func:`scaled_dot_product_attention` takes for these inputs, and why."""
     check_qkv(query, key, value)
     alignment = causal_alignment(is_causal, query.shape[-2], key.shape[-2])
-    key_range = _triton.key_range_of(attn_mask, query, key)
+    structure = _triton.structure_of(attn_mask, query, key)
     attn_mask = plain(attn_mask)
     q, k, v, mask, _ = as_4d(query, key, value, attn_mask)
-    return _choose(q, k, mask, alignment, dropout_p, return_weights, v, key_range)
+    return _choose(q, k, mask, alignment, dropout_p, return_weights, v, structure)
 
 
 def scaled_dot_product_attention(
@@ -288,7 +289,7 @@ def scaled_dot_product_attention(
         scores_shape = (*query.shape[:-2], L, S)
         check_mask(attn_mask, scores_shape)
         check_bias_range(attn_mask, query.dtype)
-    key_range = _triton.key_range_of(attn_mask, query, key)  # padding kept as lengths
+    structure = _triton.structure_of(attn_mask, query, key)  # padding as lengths, windows
     if attn_mask is not None:
         attn_mask = plain(attn_mask)  # a masks.Mask is a bool tensor that prints as a picture
     q, k, v, mask, restore = as_4d(query, key, value, attn_mask)
@@ -303,7 +304,7 @@ def scaled_dot_product_attention(
         return _finish(out, weights, return_weights, restore, query.dim())
 
     log = not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG)
-    decision = _choose(q, k, mask, alignment, dropout_p, return_weights, v, key_range, why=log)
+    decision = _choose(q, k, mask, alignment, dropout_p, return_weights, v, structure, why=log)
     if log:
         logger.debug("scaled_dot_product_attention %s", decision)  # (dynamo cannot trace logging)
 
@@ -312,7 +313,7 @@ def scaled_dot_product_attention(
         out = _fused(q, k, v, mask, alignment, scale, dropout_p)
     elif decision.path == "triton":
         out, weights = _triton.run(
-            q, k, v, mask, alignment, scale, return_weights, key_range, buffer
+            q, k, v, mask, alignment, scale, return_weights, structure, buffer
         )
     elif decision.path == "cpu_flash":
         out = kernels.flash_attention(q, k, v, mask, alignment, scale, dropout_p)

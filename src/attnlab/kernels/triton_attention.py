@@ -12,15 +12,19 @@ Pass 1 (:func:`attention_forward`) is the flash-attention forward (Dao et al. 20
 fused-attention tutorial): one program per (BLOCK_M query rows, b, h) walks the key blocks
 with an online softmax (running max ``m``, running sum ``l``, rescaled accumulator), so no
 (L, S) tile is ever stored. Key blocks that no row of the program may see are never visited:
-before ``key_start[b]`` / after ``key_end[b]`` (padding given as lengths) and after the causal
-diagonal. Pass 2 (:func:`attention_weights`) recomputes ``s`` tile by tile and writes
+outside the rows' key ranges and outside the band (below). Pass 2 (:func:`attention_weights`)
+recomputes ``s`` tile by tile and writes
 ``exp(s - lse)``: per head (B, H, L, S), or averaged over heads (B, L, S) by summing the H
 heads inside the program, so the per-head tensor never exists.
 
 Which keys may be attended (all conditions at once)::
 
-    key_start[b] <= j < key_end[b]             padding as a range per batch row (optional)
-    j <= i + causal_offset                     causal: offset 0 top-left, S - L bottom-right
+    start[b, i] <= j < end[b, i]               key ranges (optional): padding kept as lengths,
+                                                one range per batch row; packed sequences, one
+                                                per query row
+    lo <= j - (i + offset) <= hi               a band: causal is (-inf, 0] with offset 0
+                                                (top-left) or S - L (bottom-right); a causal
+                                                sliding window w is [-(w - 1), 0]
     mask[b, h, i, j]                            a bool mask, True = may attend (optional)
     s_ij += bias[b, h, i, j]                    or a float mask added to the scores
 
@@ -44,7 +48,6 @@ from attnlab.kernels._triton import INTERPRET
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
-CAUSAL_OFFSET = {None: None, "top_left": 0}  # bottom_right: S - L, per call
 
 
 @triton.jit
@@ -71,65 +74,62 @@ def _scores(q, K, kv_base, offs_n, offs_e, ske, sks, S, E, DOT: tl.constexpr):
 
 
 @triton.jit
-def _allowed(
-    s,
-    M,
-    m_base,
-    offs_m,
-    offs_n,
-    sml,
-    sms,
-    lo,
-    hi,
-    L,
-    causal_offset,
-    CAUSAL: tl.constexpr,
-    MASK: tl.constexpr,
-):
-    """Scores with every key a row may not attend set to -inf (MASK: 0 none, 1 bool, 2 bias)."""
-    ok = (offs_n[None, :] >= lo) & (offs_n[None, :] < hi) & (offs_m[:, None] < L)
-    if CAUSAL:
-        ok = ok & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-    inside = (offs_m[:, None] < L) & (offs_n[None, :] < hi)
-    if MASK == 1:
-        keep = tl.load(M + m_base + offs_m[:, None] * sml + offs_n[None, :] * sms, mask=inside)
-        ok = ok & (keep != 0)
-    if MASK == 2:
-        bias = tl.load(M + m_base + offs_m[:, None] * sml + offs_n[None, :] * sms, mask=inside)
-        s = s + bias.to(tl.float32)
-    return tl.where(ok, s, float("-inf"))
+def _rows(KSTART, KEND, srb, srl, b, offs_m, L, S, HAS_RANGE: tl.constexpr):
+    """Each row's key range [r_lo, r_hi), (BLOCK,) int32 each; rows past L see no key."""
+    if HAS_RANGE:
+        at = b * srb + offs_m * srl
+        r_lo = tl.load(KSTART + at, mask=offs_m < L, other=S)
+        r_hi = tl.minimum(tl.load(KEND + at, mask=offs_m < L, other=0), S)
+    else:
+        r_lo = tl.where(offs_m < L, 0, S)
+        r_hi = tl.where(offs_m < L, S, 0)
+    return r_lo, r_hi
 
 
 @triton.jit
-def _key_range(
-    KSTART,
-    KEND,
-    b,
-    pid_m,
-    S,
-    causal_offset,
-    HAS_RANGE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    """The keys [lo, hi) that some row of this program may see."""
-    lo = 0
-    hi = S
-    if HAS_RANGE:
-        lo = tl.load(KSTART + b)
-        hi = tl.minimum(tl.load(KEND + b), S)
-    if CAUSAL:
-        hi = tl.minimum(hi, (pid_m + 1) * BLOCK_M + causal_offset)
+def _span(r_lo, r_hi, first, last, offset, band_lo, band_hi, BAND: tl.constexpr):
+    """The keys [lo, hi) that some row ``first..last`` of a tile may see: key blocks outside
+    are never visited (padding, the causal triangle, a sliding window)."""
+    lo = tl.maximum(tl.min(r_lo, 0), 0)
+    hi = tl.max(r_hi, 0)
+    if BAND:
+        lo = tl.maximum(lo, first + offset + band_lo)
+        hi = tl.minimum(hi, last + offset + band_hi + 1)
     return lo, hi
+
+
+@triton.jit
+def _allowed(
+    s, M, m_base, offs_m, offs_n, sml, sms, r_lo, r_hi, offset, band_lo, band_hi,
+    BAND: tl.constexpr, MASK: tl.constexpr,
+):  # fmt: skip
+    """Scores with every key a row may not attend set to -inf (MASK: 0 none, 1 bool, 2 bias).
+
+    Key j may be attended by row i iff ``r_lo[i] <= j < r_hi[i]``, and with BAND iff
+    ``band_lo <= j - (i + offset) <= band_hi`` (causal: (-inf, 0]; a causal window w:
+    [-(w - 1), 0]), and the mask allows it.
+    """
+    n = offs_n[None, :]
+    ok = (n >= r_lo[:, None]) & (n < r_hi[:, None])
+    if BAND:
+        d = n - (offs_m[:, None] + offset)
+        ok = ok & (d >= band_lo) & (d <= band_hi)
+    if MASK == 1:
+        keep = tl.load(M + m_base + offs_m[:, None] * sml + n * sms, mask=ok, other=0)
+        ok = ok & (keep != 0)
+    if MASK == 2:
+        bias = tl.load(M + m_base + offs_m[:, None] * sml + n * sms, mask=ok, other=0.0)
+        s = s + bias.to(tl.float32)
+    return tl.where(ok, s, float("-inf"))
 
 
 @triton.jit
 def _forward_kernel(
     Q, K, V, M, KSTART, KEND, O, LSE,
     sqb, sqh, sql, sqe, skb, skh, sks, ske, svb, svh, svs, sve,
-    smb, smh, sml, sms, sob, soh, sol, soe,
-    H, G, L, S, E, EV, scale, causal_offset,
-    CAUSAL: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
+    smb, smh, sml, sms, srb, srl, sob, soh, sol, soe,
+    H, G, L, S, E, EV, scale, offset, band_lo, band_hi,
+    BAND: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -148,7 +148,9 @@ def _forward_kernel(
     k_base = b * skb + hk * skh
     v_base = b * svb + hk * svh
     m_base = b * smb + h * smh
-    lo, hi = _key_range(KSTART, KEND, b, pid_m, S, causal_offset, HAS_RANGE, CAUSAL, BLOCK_M)
+    r_lo, r_hi = _rows(KSTART, KEND, srb, srl, b, offs_m, L, S, HAS_RANGE)
+    last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, L) - 1
+    lo, hi = _span(r_lo, r_hi, pid_m * BLOCK_M, last, offset, band_lo, band_hi, BAND)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp(s - m)
@@ -156,7 +158,10 @@ def _forward_kernel(
     for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         s = _scores(q, K, k_base, offs_n, offs_e, ske, sks, S, E, DOT) * scale
-        s = _allowed(s, M, m_base, offs_m, offs_n, sml, sms, lo, hi, L, causal_offset, CAUSAL, MASK)
+        s = _allowed(
+            s, M, m_base, offs_m, offs_n, sml, sms, r_lo, r_hi, offset, band_lo, band_hi, BAND,
+            MASK,
+        )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
         alpha = tl.exp(m_i - m_safe)
@@ -185,9 +190,9 @@ def _forward_kernel(
 @triton.jit
 def _weights_kernel(
     Q, K, M, KSTART, KEND, LSE, W,
-    sqb, sqh, sql, sqe, skb, skh, sks, ske, smb, smh, sml, sms,
-    H, G, L, S, E, scale, causal_offset,
-    CAUSAL: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
+    sqb, sqh, sql, sqe, skb, skh, sks, ske, smb, smh, sml, sms, srb, srl,
+    H, G, L, S, E, scale, offset, band_lo, band_hi,
+    BAND: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
     AVERAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
@@ -206,11 +211,7 @@ def _weights_kernel(
         b = bh // H
         h0 = bh % H
         heads = 1
-    lo = 0
-    hi = S
-    if HAS_RANGE:
-        lo = tl.load(KSTART + b)
-        hi = tl.minimum(tl.load(KEND + b), S)
+    r_lo, r_hi = _rows(KSTART, KEND, srb, srl, b, offs_m, L, S, HAS_RANGE)
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for h in range(h0, h0 + heads):
         q = tl.load(
@@ -220,8 +221,8 @@ def _weights_kernel(
         )
         s = _scores(q, K, b * skb + (h // G) * skh, offs_n, offs_e, ske, sks, S, E, DOT) * scale
         s = _allowed(
-            s, M, b * smb + h * smh, offs_m, offs_n, sml, sms, lo, hi, L, causal_offset, CAUSAL,
-            MASK,
+            s, M, b * smb + h * smh, offs_m, offs_n, sml, sms, r_lo, r_hi, offset, band_lo,
+            band_hi, BAND, MASK,
         )  # fmt: skip
         lse = tl.load(LSE + (b * H + h) * L + offs_m, mask=offs_m < L, other=float("inf"))
         total += tl.exp(s - lse[:, None])  # -inf - lse and s - inf both give exp(-inf) = 0
@@ -268,11 +269,36 @@ def _mask_args(mask: torch.Tensor | None, q: torch.Tensor, S: int):
     return 2, mask, mask.stride()
 
 
-def _range_args(key_range: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor):
+def _range_args(key_range, q: torch.Tensor):
+    """(has_range, start, end, row strides): ranges (B,) per batch row or (B | 1, L) per query
+    row, read through broadcast strides."""
     if key_range is None:
-        return False, q, q
-    start, end = key_range
-    return True, start.to(device=q.device, dtype=torch.int32), end.to(q.device, torch.int32)
+        return False, q, q, 0, 0
+    B, L = q.shape[0], q.shape[2]
+    start, end = (
+        (t[:, None] if t.dim() == 1 else t).to(q.device, torch.int32).expand(B, L)
+        for t in key_range
+    )  # (B, L), stride 0 where broadcast
+    if start.stride() != end.stride():
+        start, end = start.contiguous(), end.contiguous()
+    return True, start, end, *start.stride()
+
+
+def band_args(alignment: str | None, band, L: int, S: int) -> tuple[bool, int, int, int]:
+    """(BAND, offset, band_lo, band_hi): the causal alignment and a sliding-window band
+    ``(offset, lo, hi)`` (keys j with ``lo <= j - (i + offset) <= hi``) as one band."""
+    none = -(L + S + 1)  # no lower limit
+    bands = []
+    if alignment is not None:
+        bands.append(((S - L) if alignment == "bottom_right" else 0, none, 0))
+    if band is not None:
+        bands.append(band)
+    if not bands:
+        return False, 0, 0, 0
+    offset = bands[0][0]
+    lo = max(max(b_lo + b_off - offset, none) for b_off, b_lo, _ in bands)
+    hi = min(b_hi + b_off - offset for b_off, _, b_hi in bands)
+    return True, offset, lo, hi
 
 
 def attention_forward(
@@ -283,13 +309,17 @@ def attention_forward(
     alignment: str | None = None,
     scale: float | None = None,
     key_range: tuple[torch.Tensor, torch.Tensor] | None = None,
+    band: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, H, L, E), (B, Hkv, S, E), (B, Hkv, S, Ev) -> out (B, H, L, Ev), lse (B, H, L) fp32.
 
     ``mask``: None, bool (True = may attend) or a float bias, broadcastable to (B, H, L, S).
     ``alignment``: None, ``"top_left"`` or ``"bottom_right"`` causal. ``key_range``: optional
-    ``(start, end)`` int tensors of shape (B,): row b may attend keys ``start[b] <= j < end[b]``
-    (padding kept as lengths: blocks outside the range are skipped, not read).
+    ``(start, end)`` int tensors of shape (B,) (padding: batch row b may attend keys
+    ``start[b] <= j < end[b]``) or (B | 1, L) (one range per query row: packed sequences).
+    ``band``: optional ``(offset, lo, hi)``: query i may attend keys j with
+    ``lo <= j - (i + offset) <= hi`` (a sliding window). Key blocks outside the ranges, the
+    causal triangle and the band are skipped, not read.
     Rows with no attendable key: output 0 and lse +inf.
     """
     B, H, L, E = q.shape
@@ -298,15 +328,15 @@ def attention_forward(
     out = q.new_empty(B, H, L, Ev)
     lse = torch.empty(B, H, L, device=q.device, dtype=torch.float32)
     kind, m, ms = _mask_args(mask, q, S)
-    has_range, start, end = _range_args(key_range, q)
-    offset = (S - L) if alignment == "bottom_right" else 0
+    has_range, start, end, srb, srl = _range_args(key_range, q)
+    has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
     BM, BN, BE, BEV, warps = _blocks(E, Ev)
     grid = (triton.cdiv(L, BM), B * H)
     _forward_kernel[grid](
         q, k, v, m, start, end, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
-        H, H // Hkv, L, S, E, Ev, scale, offset,
-        CAUSAL=alignment is not None, MASK=kind, HAS_RANGE=has_range,
+        *q.stride(), *k.stride(), *v.stride(), *ms, srb, srl, *out.stride(),
+        H, H // Hkv, L, S, E, Ev, scale, offset, band_lo, band_hi,
+        BAND=has_band, MASK=kind, HAS_RANGE=has_range,
         DOT=_dot_mode(q.dtype),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=warps,
     )  # fmt: skip
@@ -323,6 +353,7 @@ def attention_weights(
     key_range: tuple[torch.Tensor, torch.Tensor] | None = None,
     average: bool = False,
     out: torch.Tensor | None = None,
+    band: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """The weights ``exp(s - lse)``: (B, H, L, S), or (B, 1, L, S) averaged over heads.
 
@@ -336,16 +367,16 @@ def attention_weights(
     if out is None:
         out = q.new_empty(shape)
     kind, m, ms = _mask_args(mask, q, S)
-    has_range, start, end = _range_args(key_range, q)
-    offset = (S - L) if alignment == "bottom_right" else 0
+    has_range, start, end, srb, srl = _range_args(key_range, q)
+    has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
     BM, BN, BE, _, warps = _blocks(E, E)
     BN = min(BN * 2, 128) if not INTERPRET else BN  # no V tile here: wider tiles fit
     grid = (triton.cdiv(L, BM), triton.cdiv(S, BN), B if average else B * H)
     _weights_kernel[grid](
         q, k, m, start, end, lse, out,
-        *q.stride(), *k.stride(), *ms,
-        H, H // Hkv, L, S, E, scale, offset,
-        CAUSAL=alignment is not None, MASK=kind, HAS_RANGE=has_range,
+        *q.stride(), *k.stride(), *ms, srb, srl,
+        H, H // Hkv, L, S, E, scale, offset, band_lo, band_hi,
+        BAND=has_band, MASK=kind, HAS_RANGE=has_range,
         DOT=_dot_mode(q.dtype), AVERAGE=average,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, num_warps=warps,
     )  # fmt: skip
@@ -363,7 +394,7 @@ def supports(q, k, v, mask) -> str | None:
     return None
 
 
-def reference(q, k, v, mask=None, alignment=None, scale=None, key_range=None):
+def reference(q, k, v, mask=None, alignment=None, scale=None, key_range=None, band=None):
     """The readable torch computation the kernels must equal: out, lse (fp32), weights."""
     B, H, L, E = q.shape
     S = k.shape[2]
@@ -374,12 +405,18 @@ def reference(q, k, v, mask=None, alignment=None, scale=None, key_range=None):
     s = (q.float() @ kf.transpose(-2, -1)) * scale  # (B, H, L, S)
     j = torch.arange(S, device=q.device)
     ok = torch.ones(B, H, L, S, dtype=torch.bool, device=q.device)
-    if key_range is not None:
-        start, end = (t.to(q.device)[:, None, None, None] for t in key_range)
+    i = torch.arange(L, device=q.device)[:, None]
+    if key_range is not None:  # (B,) per batch row -> (B, 1, 1, 1); (B | 1, L) -> (B | 1, 1, L, 1)
+        start, end = (
+            t[:, None, None, None] if t.dim() == 1 else t[:, None, :, None]
+            for t in (r.to(q.device) for r in key_range)
+        )
         ok &= (j >= start) & (j < end)
     if alignment is not None:
-        i = torch.arange(L, device=q.device)[:, None]
         ok &= j <= i + ((S - L) if alignment == "bottom_right" else 0)
+    if band is not None:
+        offset, lo, hi = band
+        ok &= (j - (i + offset) >= lo) & (j - (i + offset) <= hi)
     if mask is not None and mask.dtype == torch.bool:
         ok &= mask
     elif mask is not None:

@@ -19,8 +19,9 @@ Two kernels, so that no two programs add into the same memory (no atomics):
 * ``_dq_kernel``: one program per (query block, batch, head) walks the key blocks, as the
   forward does, and writes dQ once.
 
-Key blocks outside a row's key range (padding as lengths) and past the causal diagonal are
-skipped in both. Rows with no attendable key have ``lse = +inf``: ``p = 0``, no gradient.
+Key blocks outside the rows' key ranges and outside the band (causal, sliding window) are
+skipped in the dQ kernel; the dK/dV kernel visits only the query blocks the band allows and
+whose ranges reach its keys. Rows with no attendable key have ``lse = +inf``: ``p = 0``.
 """
 
 from __future__ import annotations
@@ -34,19 +35,21 @@ from attnlab.kernels.triton_attention import (
     _blocks,
     _dot,
     _dot_mode,
-    _key_range,
     _mask_args,
     _range_args,
+    _rows,
+    _span,
     attention_forward,
+    band_args,
 )
 
 
 @triton.jit
 def _dkdv_kernel(
     Q, K, V, M, KSTART, KEND, DO, LSE, DELTA, DK, DV,
-    sqb, sqh, sql, sqe, skb, skh, sks, ske, svb, svh, svs, sve, smb, smh, sml, sms,
-    H, Hkv, G, L, S, E, EV, scale, causal_offset,
-    CAUSAL: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
+    sqb, sqh, sql, sqe, skb, skh, sks, ske, svb, svh, svs, sve, smb, smh, sml, sms, srb, srl,
+    H, Hkv, G, L, S, E, EV, scale, offset, band_lo, band_hi,
+    BAND: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -67,45 +70,44 @@ def _dkdv_kernel(
         mask=key_ok[:, None] & (offs_ev[None, :] < EV),
         other=0.0,
     )  # (BLOCK_N, BLOCK_EV)
-    lo = 0
-    hi = S
-    if HAS_RANGE:
-        lo = tl.load(KSTART + b)
-        hi = tl.minimum(tl.load(KEND + b), S)
     dk = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_EV], tl.float32)
+    n0 = pid_n * BLOCK_N
     first = 0
-    if CAUSAL:  # rows i with i + offset >= the block's first key
-        first = tl.maximum(pid_n * BLOCK_N - causal_offset, 0) // BLOCK_M * BLOCK_M
-    skip = (pid_n * BLOCK_N >= hi) | ((pid_n + 1) * BLOCK_N <= lo)
-    first = first + skip.to(tl.int32) * L  # no row may see these keys: the loops do not run
+    end = L
+    if BAND:  # rows i that may see a key of [n0, n0 + BLOCK_N): n0 - hi <= i + offset
+        first = tl.maximum(n0 - offset - band_hi, 0) // BLOCK_M * BLOCK_M
+        end = tl.minimum(n0 + BLOCK_N - 1 - offset - band_lo + 1, L)
     for h in range(hk * G, hk * G + G):
-        for start in range(first, L, BLOCK_M):
+        for start in range(first, end, BLOCK_M):
             offs_m = start + tl.arange(0, BLOCK_M)
             row_ok = offs_m < L
-            q = tl.load(
-                Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
-                mask=row_ok[:, None] & (offs_e[None, :] < E),
-                other=0.0,
-            )  # (BLOCK_M, BLOCK_E)
-            s = _dot(q, tl.trans(k), DOT) * scale  # (BLOCK_M, BLOCK_N)
-            s = _allowed(
-                s, M, b * smb + h * smh, offs_m, offs_n, sml, sms, lo, hi, L, causal_offset,
-                CAUSAL, MASK,
-            )  # fmt: skip
-            row = (b * H + h) * L + offs_m
-            lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-            delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-            p = tl.exp(s - lse[:, None])  # (BLOCK_M, BLOCK_N), 0 where masked or dead
-            do = tl.load(
-                DO + ((b * H + h) * L + offs_m[:, None]) * EV + offs_ev[None, :],
-                mask=row_ok[:, None] & (offs_ev[None, :] < EV),
-                other=0.0,
-            )  # (BLOCK_M, BLOCK_EV): dO is made contiguous by the launcher
-            dv += _dot(tl.trans(p.to(do.dtype)), do, DOT)
-            dp = _dot(do, tl.trans(v), DOT)  # (BLOCK_M, BLOCK_N)
-            ds = p * (dp - delta[:, None])
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT)
+            r_lo, r_hi = _rows(KSTART, KEND, srb, srl, b, offs_m, L, S, HAS_RANGE)
+            # a query block whose key ranges miss these keys (padding) adds nothing: skip it
+            if (tl.min(r_lo, 0) < n0 + BLOCK_N) & (tl.max(r_hi, 0) > n0):
+                q = tl.load(
+                    Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
+                    mask=row_ok[:, None] & (offs_e[None, :] < E),
+                    other=0.0,
+                )  # (BLOCK_M, BLOCK_E)
+                s = _dot(q, tl.trans(k), DOT) * scale  # (BLOCK_M, BLOCK_N)
+                s = _allowed(
+                    s, M, b * smb + h * smh, offs_m, offs_n, sml, sms, r_lo, r_hi, offset, band_lo,
+                    band_hi, BAND, MASK,
+                )  # fmt: skip
+                row = (b * H + h) * L + offs_m
+                lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
+                delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+                p = tl.exp(s - lse[:, None])  # (BLOCK_M, BLOCK_N), 0 where masked or dead
+                do = tl.load(
+                    DO + ((b * H + h) * L + offs_m[:, None]) * EV + offs_ev[None, :],
+                    mask=row_ok[:, None] & (offs_ev[None, :] < EV),
+                    other=0.0,
+                )  # (BLOCK_M, BLOCK_EV): dO is made contiguous by the launcher
+                dv += _dot(tl.trans(p.to(do.dtype)), do, DOT)
+                dp = _dot(do, tl.trans(v), DOT)  # (BLOCK_M, BLOCK_N)
+                ds = p * (dp - delta[:, None])
+                dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT)
     out = (bk * S + offs_n)[:, None]  # dK, dV contiguous (B, Hkv, S, *)
     tl.store(DK + out * E + offs_e[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (offs_e[None, :] < E))  # fmt: skip
@@ -116,9 +118,9 @@ def _dkdv_kernel(
 @triton.jit
 def _dq_kernel(
     Q, K, V, M, KSTART, KEND, DO, LSE, DELTA, DQ,
-    sqb, sqh, sql, sqe, skb, skh, sks, ske, svb, svh, svs, sve, smb, smh, sml, sms,
-    H, G, L, S, E, EV, scale, causal_offset,
-    CAUSAL: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
+    sqb, sqh, sql, sqe, skb, skh, sks, ske, svb, svh, svs, sve, smb, smh, sml, sms, srb, srl,
+    H, G, L, S, E, EV, scale, offset, band_lo, band_hi,
+    BAND: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -142,7 +144,9 @@ def _dq_kernel(
     )
     lse = tl.load(LSE + bh * L + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + bh * L + offs_m, mask=row_ok, other=0.0)
-    lo, hi = _key_range(KSTART, KEND, b, pid_m, S, causal_offset, HAS_RANGE, CAUSAL, BLOCK_M)
+    r_lo, r_hi = _rows(KSTART, KEND, srb, srl, b, offs_m, L, S, HAS_RANGE)
+    last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, L) - 1
+    lo, hi = _span(r_lo, r_hi, pid_m * BLOCK_M, last, offset, band_lo, band_hi, BAND)
     dq = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -158,8 +162,8 @@ def _dq_kernel(
         )
         s = _dot(q, tl.trans(k), DOT) * scale
         s = _allowed(
-            s, M, b * smb + h * smh, offs_m, offs_n, sml, sms, lo, hi, L, causal_offset, CAUSAL,
-            MASK,
+            s, M, b * smb + h * smh, offs_m, offs_n, sml, sms, r_lo, r_hi, offset, band_lo,
+            band_hi, BAND, MASK,
         )  # fmt: skip
         p = tl.exp(s - lse[:, None])
         dp = _dot(do, tl.trans(v), DOT)
@@ -172,7 +176,7 @@ def _dq_kernel(
     )
 
 
-def attention_backward(q, k, v, out, lse, grad_out, mask, alignment, scale, key_range):
+def attention_backward(q, k, v, out, lse, grad_out, mask, alignment, scale, key_range, band):
     """dQ (B, H, L, E), dK (B, Hkv, S, E), dV (B, Hkv, S, Ev) by the two kernels."""
     B, H, L, E = q.shape
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[-1]
@@ -182,22 +186,22 @@ def attention_backward(q, k, v, out, lse, grad_out, mask, alignment, scale, key_
     dk = torch.empty(B, Hkv, S, E, device=k.device, dtype=k.dtype)
     dv = torch.empty(B, Hkv, S, Ev, device=v.device, dtype=v.dtype)
     kind, m, ms = _mask_args(mask, q, S)
-    has_range, start, end = _range_args(key_range, q)
-    offset = (S - L) if alignment == "bottom_right" else 0
+    has_range, start, end, srb, srl = _range_args(key_range, q)
+    has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
     BM, BN, BE, BEV, warps = _blocks(E, Ev)
     BM, BN = min(BM, 64), min(BN, 64)  # three tiles of gradients live at once: smaller tiles
     common = dict(
-        CAUSAL=alignment is not None, MASK=kind, HAS_RANGE=has_range, DOT=_dot_mode(q.dtype),
+        BAND=has_band, MASK=kind, HAS_RANGE=has_range, DOT=_dot_mode(q.dtype),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=warps,
     )  # fmt: skip
-    strides = (*q.stride(), *k.stride(), *v.stride(), *ms)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *ms, srb, srl)
     _dkdv_kernel[(triton.cdiv(S, BN), B * Hkv)](
         q, k, v, m, start, end, do, lse, delta, dk, dv, *strides,
-        H, Hkv, H // Hkv, L, S, E, Ev, scale, offset, **common,
+        H, Hkv, H // Hkv, L, S, E, Ev, scale, offset, band_lo, band_hi, **common,
     )  # fmt: skip
     _dq_kernel[(triton.cdiv(L, BM), B * H)](
         q, k, v, m, start, end, do, lse, delta, dq, *strides,
-        H, H // Hkv, L, S, E, Ev, scale, offset, **common,
+        H, H // Hkv, L, S, E, Ev, scale, offset, band_lo, band_hi, **common,
     )  # fmt: skip
     return dq, dk, dv
 
@@ -207,17 +211,15 @@ class TritonAttention(torch.autograd.Function):
     log-sum-exp (B, H, L) -- never the (B, H, L, S) weights."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, alignment, scale, key_range):
+    def forward(ctx, q, k, v, mask, alignment, scale, key_range, band=None):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        out, lse = attention_forward(q, k, v, mask, alignment, scale, key_range)
+        out, lse = attention_forward(q, k, v, mask, alignment, scale, key_range, band)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.alignment, ctx.scale, ctx.key_range = mask, alignment, scale, key_range
+        ctx.args = (mask, alignment, scale, key_range, band)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(
-            q, k, v, out, lse, grad_out, ctx.mask, ctx.alignment, ctx.scale, ctx.key_range
-        )
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = attention_backward(q, k, v, out, lse, grad_out, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None

@@ -13,10 +13,10 @@ stacked into one (G*L, E) tile, so each key block is read once for the whole gro
 
     rows r = 0 .. G*L-1  ->  query head hk*G + r // L, query row r % L;  kv head hk
 
-Which keys a row may attend: ``key_start[b] <= j < key_end[b]`` (the cache's filled part, or
-padding, as a range per batch row), ``j <= i + S - L`` (bottom-right causal: the cache holds
-the past), a bool mask (True = may attend) or a float bias read through its strides. A row
-with no key gets output 0 (and weights 0).
+Which keys a row may attend: as in :mod:`attnlab.kernels.triton_attention` -- key ranges (the
+cache's filled part, or padding, per batch row; or per query row), a band (bottom-right
+causal: the cache holds the past; a sliding window), a bool mask (True = may attend) or a
+float bias read through its strides. A row with no key gets output 0 (and weights 0).
 
 Weights at decode are one row per head: when asked, the kernel also writes the raw scores
 (B, H, L, S) in fp32 and the weights are ``exp(s - lse)`` after the merge, one elementwise op.
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from attnlab.kernels._triton import INTERPRET
-from attnlab.kernels.triton_attention import _dot, _dot_mode, _mask_args, _range_args
+from attnlab.kernels.triton_attention import _dot, _dot_mode, _mask_args, _range_args, band_args
 
 MAX_ROWS = 64  # G * L rows in one tile; more: the prefill kernel serves
 
@@ -43,9 +43,9 @@ MAX_ROWS = 64  # G * L rows in one tile; more: the prefill kernel serves
 @triton.jit
 def _decode_kernel(
     Q, K, V, M, KSTART, KEND, ACC, MAX, SUM, SC,
-    sqb, sqh, sql, sqe, skb, skh, sks, ske, svb, svh, svs, sve, smb, smh, sml, sms,
-    H, Hkv, G, L, S, E, EV, scale, causal_offset, chunk, NSPLIT,
-    CAUSAL: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, SCORES: tl.constexpr,
+    sqb, sqh, sql, sqe, skb, skh, sks, ske, svb, svh, svs, sve, smb, smh, sml, sms, srb, srl,
+    H, Hkv, G, L, S, E, EV, scale, offset, band_lo, band_hi, chunk, NSPLIT,
+    BAND: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, SCORES: tl.constexpr,
     DOT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
 ):  # fmt: skip
@@ -65,11 +65,17 @@ def _decode_kernel(
         mask=row_ok[:, None] & (offs_e[None, :] < E),
         other=0.0,
     )  # (BLOCK_R, BLOCK_E)
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, S)
-    if HAS_RANGE:
-        lo = tl.maximum(lo, tl.load(KSTART + b))
-        hi = tl.minimum(hi, tl.load(KEND + b))
+    if HAS_RANGE:  # each row's key range [r_lo, r_hi)
+        r_lo = tl.load(KSTART + b * srb + i * srl, mask=row_ok, other=S)
+        r_hi = tl.minimum(tl.load(KEND + b * srb + i * srl, mask=row_ok, other=0), S)
+    else:
+        r_lo = tl.where(row_ok, 0, S)
+        r_hi = tl.where(row_ok, S, 0)
+    lo = tl.maximum(split * chunk, tl.min(r_lo, 0))
+    hi = tl.minimum(tl.minimum(split * chunk + chunk, S), tl.max(r_hi, 0))
+    if BAND:  # rows i = 0 .. L-1: keys [offset + band_lo, L - 1 + offset + band_hi]
+        lo = tl.maximum(lo, offset + band_lo)
+        hi = tl.minimum(hi, L + offset + band_hi)
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_EV], tl.float32)
@@ -81,22 +87,22 @@ def _decode_kernel(
             other=0.0,
         )  # (BLOCK_E, BLOCK_N)
         s = _dot(q, k, DOT) * scale  # (BLOCK_R, BLOCK_N)
-        ok = (offs_n[None, :] >= lo) & (offs_n[None, :] < hi) & row_ok[:, None]
-        if CAUSAL:
-            ok = ok & (offs_n[None, :] <= i[:, None] + causal_offset)
-        inside = row_ok[:, None] & (offs_n[None, :] < hi)
+        ok = (offs_n[None, :] >= r_lo[:, None]) & (offs_n[None, :] < r_hi[:, None])
+        if BAND:
+            d = offs_n[None, :] - (i[:, None] + offset)
+            ok = ok & (d >= band_lo) & (d <= band_hi)
         if MASK != 0:
             at = M + b * smb + h[:, None] * smh + i[:, None] * sml + offs_n[None, :] * sms
             if MASK == 1:
-                ok = ok & (tl.load(at, mask=inside, other=0) != 0)
+                ok = ok & (tl.load(at, mask=ok, other=0) != 0)
             else:
-                s = s + tl.load(at, mask=inside, other=0.0).to(tl.float32)
+                s = s + tl.load(at, mask=ok, other=0.0).to(tl.float32)
         s = tl.where(ok, s, float("-inf"))
         if SCORES:
             tl.store(
                 SC + ((b * H + h[:, None]) * L + i[:, None]) * S + offs_n[None, :],
                 s,
-                mask=inside & (offs_n[None, :] >= lo),
+                mask=row_ok[:, None] & (offs_n[None, :] >= lo) & (offs_n[None, :] < hi),
             )
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -146,6 +152,7 @@ def decode_attention(
     scale: float | None = None,
     key_range: tuple[torch.Tensor, torch.Tensor] | None = None,
     return_weights: bool | str = False,
+    band: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, H, L, E) queries against a (B, Hkv, S, E) cache -> out (B, H, L, Ev), weights.
 
@@ -170,13 +177,13 @@ def decode_attention(
     sm = torch.empty(B, Hkv, nsplit, G * L, **f32)
     scores = torch.full((B, H, L, S), float("-inf"), **f32) if return_weights else mx
     kind, m, ms = _mask_args(mask, q, S)
-    has_range, start, end = _range_args(key_range, q)
-    offset = (S - L) if alignment == "bottom_right" else 0
+    has_range, start, end, srb, srl = _range_args(key_range, q)
+    has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
     _decode_kernel[(nsplit, B * Hkv)](
         q, k, v, m, start, end, acc, mx, sm, scores,
-        *q.stride(), *k.stride(), *v.stride(), *ms,
-        H, Hkv, G, L, S, E, Ev, scale, offset, chunk, nsplit,
-        CAUSAL=alignment is not None, MASK=kind, HAS_RANGE=has_range,
+        *q.stride(), *k.stride(), *v.stride(), *ms, srb, srl,
+        H, Hkv, G, L, S, E, Ev, scale, offset, band_lo, band_hi, chunk, nsplit,
+        BAND=has_band, MASK=kind, HAS_RANGE=has_range,
         SCORES=bool(return_weights), DOT=_dot_mode(q.dtype),
         BLOCK_R=BR, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=4,
     )  # fmt: skip

@@ -18,7 +18,7 @@ from attnlab.reference.attention import (
     scaled_dot_product_attention,
     scaled_dot_product_scores,
 )
-from attnlab.reference.masks import causal_mask, padding_mask, sliding_window_mask
+from attnlab.reference.masks import causal_mask, document_mask, padding_mask, sliding_window_mask
 
 __all__ = [
     "additive_attention",
@@ -36,4 +36,5 @@ __all__ = [
     "scaled_dot_product_attention",
     "scaled_dot_product_scores",
     "sliding_window_mask",
+    "document_mask",
 ]

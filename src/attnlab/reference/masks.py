@@ -46,3 +46,9 @@ def padding_mask(lengths, max_length=None, *, side="right"):
     else:
         keep = pos >= (max_length - lengths)[:, None]
     return keep[:, None, None, :]
+
+
+def document_mask(lengths):
+    # [documents] -> [T, T], T = sum(lengths): token i may attend token j iff same document
+    doc = np.repeat(np.arange(len(lengths)), lengths)
+    return doc[:, None] == doc[None, :]
