@@ -149,6 +149,54 @@ def test_grid_averages_long_maps_down_keeping_the_mass():
     assert "averaged down from 200 x 200" in fig._suptitle.get_text()
 
 
+def test_set_aside_renormalises_rows_and_leaves_dead_rows_at_zero():
+    from attnlab.viz.aside import aside_note, set_aside
+
+    rng = np.random.default_rng(30)
+    W = random_weights(rng, 2, 6, 6)  # [H, L, S]
+    W[:, 0] = 0
+    W[:, 0, 0] = 1.0  # a decoder's first query sees only itself
+    flags = np.array([True, False, False, False, False, True])
+    got = set_aside(W, flags)
+    assert got.dtype == np.float32 and got.shape == W.shape
+    assert (got[..., flags] == 0).all()
+    kept = W[..., ~flags]
+    expected = kept / np.where(kept.sum(-1, keepdims=True) > 0, kept.sum(-1, keepdims=True), 1)
+    np.testing.assert_allclose(got[..., ~flags], expected, rtol=1e-6)
+    np.testing.assert_allclose(got.sum(-1)[:, 1:], 1.0, rtol=1e-6)
+    assert (got[:, 0] == 0).all()  # nothing left to share: 0, never uniform, never NaN
+    with pytest.raises(ValueError, match="aside must be one flag per key: 6 flags; got shape"):
+        set_aside(W, flags[:4])
+    assert aside_note(list("abcdef"), flags) == "a, f set aside, rows renormalised"
+    assert aside_note(list("abcdef"), None) == ""
+
+
+def test_heatmap_and_grid_drop_the_set_aside_columns_and_say_so():
+    rng = np.random.default_rng(31)
+    A = random_weights(rng, 2, 3, 5, 5)
+    tokens = ["[CLS]", "a", "b", "c", "[SEP]"]
+    flags = [True, False, False, False, True]
+    fig = plot_attention(A[1, 2], tokens, title="one head", aside=flags)
+    ax = fig.axes[0]
+    shown = ax.images[0].get_array()
+    expected = A[1, 2][:, 1:4] / A[1, 2][:, 1:4].sum(-1, keepdims=True)
+    np.testing.assert_allclose(shown, expected, rtol=1e-6)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b", "c"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == tokens  # every row is kept
+    assert ax.get_title() == "one head\n[CLS], [SEP] set aside, rows renormalised"
+    grid = plot_attention_grid(A, tokens, title="grid", aside=flags)
+    mosaic = np.ma.filled(grid.axes[0].images[0].get_array(), np.nan)
+    gap = max(1, round(0.12 * 5))
+    for layer in range(2):
+        for col in range(4):  # three heads, then the mean of the heads, renormalised
+            W = A[layer, col] if col < 3 else A[layer].mean(0)
+            panel = mosaic[layer * (5 + gap) : layer * (5 + gap) + 5, col * (3 + gap) :][:, :3]
+            np.testing.assert_allclose(panel, W[:, 1:4] / W[:, 1:4].sum(-1, keepdims=True), 1e-6)
+    assert "[CLS], [SEP] set aside" in grid._suptitle.get_text()
+    with pytest.raises(ValueError, match="aside must be 5 flags"):
+        plot_attention_grid(A, tokens, aside=flags[:3])
+
+
 def test_alignment_overlay_marks_sure_and_possible_links_and_scores_aer():
     from matplotlib.patches import Rectangle
 

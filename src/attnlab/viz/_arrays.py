@@ -24,6 +24,14 @@ def to_numpy(x: Any, name: str, dtype: Any = np.float64) -> np.ndarray:
     return arr
 
 
+def to_floats(x: Any, name: str) -> np.ndarray:
+    """:func:`to_numpy` keeping float32 as float32 (a long text's weights are not copied to
+    float64) and float64 as float64; anything else becomes float64."""
+    arr = np.asarray(x) if not hasattr(x, "detach") else None
+    dtype = arr.dtype if arr is not None and arr.dtype in (np.float32, np.float64) else np.float64
+    return to_numpy(x, name, np.float32 if arr is None else dtype)
+
+
 def squeeze_batch(arr: np.ndarray, name: str, ndim: int, legend: str) -> np.ndarray:
     """Drop leading batch dims of size 1 until ``arr`` has ``ndim`` dims."""
     while arr.ndim > ndim and arr.shape[0] == 1:
@@ -64,3 +72,15 @@ def label_step(n: int, length_pt: float, font_pt: float) -> int:
 def short(token: str, width: int = 14) -> str:
     """A token label cut to ``width`` characters (with an ellipsis)."""
     return token if len(token) <= width else token[: width - 1] + "…"
+
+
+def block_mean(W: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """Shrink the last two dims of ``W`` to at most ``rows`` x ``cols`` by averaging blocks."""
+    L, S = W.shape[-2:]
+    if L > rows:
+        edges = np.linspace(0, L, rows + 1).round().astype(int)
+        W = np.add.reduceat(W, edges[:-1], axis=-2) / np.diff(edges)[:, None]
+    if S > cols:
+        edges = np.linspace(0, S, cols + 1).round().astype(int)
+        W = np.add.reduceat(W, edges[:-1], axis=-1) / np.diff(edges)
+    return W

@@ -16,8 +16,17 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import attention_map, check_tokens, label_step, short, squeeze_batch, to_numpy
+from ._arrays import (
+    attention_map,
+    block_mean,
+    check_tokens,
+    label_step,
+    short,
+    squeeze_batch,
+    to_floats,
+)
 from ._mpl import figure_and_axes, new_figure
+from .aside import aside_note, set_aside
 
 __all__ = ["plot_attention", "plot_attention_grid", "plot_alignment"]
 
@@ -90,6 +99,7 @@ def plot_attention(
     colorbar: bool = True,
     scale: str = "auto",
     cmap: str = CMAP,
+    aside: Sequence[bool] | None = None,
 ) -> Any:
     """Draw one attention map as a heatmap with token labels.
 
@@ -109,6 +119,8 @@ def plot_attention(
             long inputs stay visible; the colour bar keeps the true values). ``"auto"``: sqrt
             above 64 tokens.
         cmap: a matplotlib colour map name.
+        aside: ``S`` key flags: those columns are left out and every row is renormalised over
+            the other keys (:func:`attnlab.viz.aside.set_aside`); the title says so.
 
     Returns:
         The :class:`matplotlib.figure.Figure`.
@@ -125,6 +137,13 @@ def plot_attention(
     if key_tokens is None and S == L:
         key_tokens = query_tokens
     key_tokens = check_tokens(key_tokens, S, "key_tokens")
+    if aside is not None:
+        flags = np.asarray(aside, bool)
+        W = set_aside(W, flags)[:, ~flags]  # (L, S) -> (L, S - set aside); checks the flags
+        note = aside_note(key_tokens, flags)
+        key_tokens = [t for t, a in zip(key_tokens, flags, strict=True) if not a]
+        title = f"{title}\n{note}" if title else note
+        S = W.shape[1]
 
     cell = _cell_inches(max(L, S))
     fig, ax = figure_and_axes(ax, 2.2 + S * cell + (1.0 if colorbar else 0), 1.9 + L * cell)
@@ -164,18 +183,6 @@ def _annotate(ax: Any, W: np.ndarray, top: float) -> None:
         ax.text(j, i, text, ha="center", va="center", fontsize=6.5, color=colour)
 
 
-def block_mean(W: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    """Shrink the last two dims of ``W`` to at most ``rows`` x ``cols`` by averaging blocks."""
-    L, S = W.shape[-2:]
-    if L > rows:
-        edges = np.linspace(0, L, rows + 1).round().astype(int)
-        W = np.add.reduceat(W, edges[:-1], axis=-2) / np.diff(edges)[:, None]
-    if S > cols:
-        edges = np.linspace(0, S, cols + 1).round().astype(int)
-        W = np.add.reduceat(W, edges[:-1], axis=-1) / np.diff(edges)
-    return W
-
-
 def plot_attention_grid(
     attentions: Any,
     tokens: Sequence[str] | None = None,
@@ -187,6 +194,7 @@ def plot_attention_grid(
     vmax: float | None = None,
     max_cells: int = 96,
     cmap: str = CMAP,
+    aside: Sequence[bool] | None = None,
 ) -> Any:
     """Draw every head of every layer as a small heatmap: rows are layers, columns heads.
 
@@ -207,12 +215,15 @@ def plot_attention_grid(
         vmax: top of the shared colour scale; default the largest weight shown.
         max_cells: panels larger than this are averaged down to it.
         cmap: a matplotlib colour map name.
+        aside: ``S`` key flags: those columns are left out of every panel and each row is
+            renormalised over the other keys (the mean column: the mean of the heads,
+            renormalised); the title says so.
 
     Returns:
         The :class:`matplotlib.figure.Figure`; ``fig.axes[0].images[0]`` is the tiled image
         (white gaps between panels are masked cells).
     """
-    A = to_numpy(attentions, "attentions")
+    A = to_floats(attentions, "attentions")  # float32 stays float32: no copy of a long text
     if A.ndim == 5 and A.shape[1] == 1:  # [layers, B=1, H, L, S], as torch.stack(attentions)
         A = A[:, 0]
     A = squeeze_batch(A, "attentions", 4, "[layers, H, L, S]")
@@ -226,8 +237,15 @@ def plot_attention_grid(
     elif len(layer_names) != n_layers:
         raise ValueError(f"layer_names has {len(layer_names)} names for {n_layers} layers")
 
-    panels = np.concatenate([A, A.mean(axis=1, keepdims=True)], axis=1) if include_mean else A
-    panels = block_mean(panels, max_cells, max_cells)  # [layers, cols, pl, ps]
+    flags, note = None, ""
+    if aside is not None:
+        flags = np.asarray(aside, bool)
+        if flags.shape != (S,):
+            raise ValueError(f"aside must be {S} flags, one per key; got shape {flags.shape}")
+        note = aside_note(key_tokens, flags)
+        key_tokens = [t for t, a in zip(key_tokens, flags, strict=True) if not a]
+    panels = np.stack([_panels(A[i], include_mean, flags, max_cells) for i in range(n_layers)])
+    S_shown = len(key_tokens)  # [layers, cols, pl, ps] above, averaged down from (L, S_shown)
     ncols, pl, ps = panels.shape[1:]
     gap = max(1, round(0.12 * max(pl, ps)))
     mosaic = np.full((n_layers * (pl + gap) - gap, ncols * (ps + gap) - gap), np.nan)
@@ -237,9 +255,10 @@ def plot_attention_grid(
             mosaic[r : r + pl, c : c + ps] = panels[li, col]
 
     thumb = min(1.4, max(0.8, 11.0 / ncols))
-    labelled = max(L, S) <= 24  # token labels beside the first panel, when readable
+    labelled = max(L, S_shown) <= 24  # token labels beside the first panel, when readable
     left, right = (1.1 if labelled else 0.3), 1.9
-    top_in, bottom = (0.85 if title else 0.45), (0.9 if labelled else 0.3)
+    heading_lines = (title or "").count("\n") + bool(title) + bool(note)
+    top_in, bottom = 0.45 + 0.2 * heading_lines, (0.9 if labelled else 0.3)
     width, height = left + ncols * thumb + right, top_in + n_layers * thumb + bottom
     fig = new_figure(width, height)
     ax = fig.add_axes(
@@ -294,12 +313,22 @@ def plot_attention_grid(
         (1 - (right - 0.95) / width, 1 - (top_in + bar) / height, 0.16 / width, bar / height)
     )
     fig.colorbar(image, cax=cax, label="attention weight")
-    note = ""
-    if max(L, S) > max_cells:
-        note = f" (each panel averaged down from {L} x {S} to {pl} x {ps} cells)"
-    if title or note:
-        fig.suptitle((title or "") + note, y=1 - 0.12 / height, va="top", fontsize=10)
+    shrunk = ""
+    if max(L, S_shown) > max_cells:
+        shrunk = f" (each panel averaged down from {L} x {S_shown} to {pl} x {ps} cells)"
+    heading = "\n".join(x for x in ((title or "") + shrunk, note) if x)
+    if heading:
+        fig.suptitle(heading, y=1 - 0.12 / height, va="top", fontsize=10)
     return fig
+
+
+def _panels(A: np.ndarray, include_mean: bool, aside: np.ndarray | None, cells: int) -> np.ndarray:
+    """One layer's panels ``[H, L, S]`` -> ``[H (+1), <= cells, <= cells]``: the heads (and their
+    mean), set-aside keys dropped and rows renormalised, then averaged down to ``cells``."""
+    P = np.concatenate([A, A.mean(axis=0, keepdims=True)]) if include_mean else A
+    if aside is not None:
+        P = set_aside(P, aside)[..., ~aside]
+    return block_mean(P, cells, cells)
 
 
 def _cmap_with_gaps(name: str) -> Any:

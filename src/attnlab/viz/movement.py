@@ -23,6 +23,7 @@ import numpy as np
 
 from ._arrays import check_tokens, short, squeeze_batch, to_numpy
 from ._mpl import figure_and_axes, new_figure
+from .aside import aside_note, set_aside
 from .projection import PCA, fit_pca
 
 __all__ = ["plot_movement", "plot_head_movements", "plot_trajectories", "plot_word_distances"]
@@ -148,8 +149,10 @@ def _draw_movement(
             zorder=7,
         )
     if focus is not None and row is not None:
-        # the three strongest pulls get their weight, written near the pulling token
-        for j in [int(j) for j in np.argsort(-row, kind="stable")[:4] if j != focus][:3]:
+        # the three strongest pulls get their weight, written near the pulling token (a pull
+        # of 0, such as a token set aside, gets no number)
+        strongest = [int(j) for j in np.argsort(-row, kind="stable")[:4] if j != focus][:3]
+        for j in [j for j in strongest if row[j] >= 0.005]:
             at = P0[focus] + 0.7 * (P0[j] - P0[focus])
             ax.annotate(
                 f"{row[j]:.2f}",
@@ -239,6 +242,7 @@ def plot_movement(
     pca: PCA | None = None,
     fit_on: Sequence[bool] | None = None,
     max_labels: int = 40,
+    aside: Sequence[bool] | None = None,
 ) -> Any:
     """Draw token vectors before and after attention, in one 2-D projection.
 
@@ -258,6 +262,9 @@ def plot_movement(
             that are far from the rest (``[CLS]``, an attention sink) so they do not take
             both axes; they are still drawn.
         max_labels: label every token up to this many, else only the focus and its pullers.
+        aside: ``L`` flags: tokens whose pull is set aside; the other pulls are the focus row
+            renormalised without them (:func:`attnlab.viz.aside.set_aside`). The vectors are
+            the model's, untouched; the title says what was set aside.
 
     Returns:
         The :class:`matplotlib.figure.Figure`. Its axes hold a ``quiver`` (gid ``"moves"``)
@@ -281,6 +288,11 @@ def plot_movement(
         if W.shape != (L, L):
             raise ValueError(f"weights must be [L, L] = [{L}, {L}] self-attention; got {W.shape}")
         row = W[idx] if idx is not None else None
+        if row is not None and aside is not None:
+            row = set_aside(row, aside).astype(np.float64)
+    if aside is not None:
+        note = aside_note(tokens, aside)
+        title = f"{title}\n{note}" if title else note
     keep = np.ones(L, bool) if fit_on is None else np.asarray(fit_on, bool)
     if pca is None:
         pca = fit_pca(X0[keep], X1[keep])
@@ -309,6 +321,7 @@ def plot_head_movements(
     title: str | None = None,
     fit_on: Sequence[bool] | None = None,
     max_labels: int = 24,
+    aside: Sequence[bool] | None = None,
 ) -> Any:
     """One panel per head: where each head alone moves the tokens, in one shared projection.
 
@@ -324,6 +337,8 @@ def plot_head_movements(
         title: figure title.
         fit_on: ``L`` flags: the tokens the PCA is fitted on.
         max_labels: label every token up to this many.
+        aside: ``L`` flags: tokens whose pull is set aside, each panel's focus row renormalised
+            without them (the "all heads" panel: the mean row, renormalised).
 
     Returns:
         The :class:`matplotlib.figure.Figure`; all panels share their axis limits.
@@ -343,12 +358,19 @@ def plot_head_movements(
     keep = np.ones(L, bool) if fit_on is None else np.asarray(fit_on, bool)
     X_layer = _vectors(layer_after, "layer_after") if layer_after is not None else None
     pca = fit_pca(X0[keep], X_layer[keep]) if X_layer is not None else fit_pca(X0[keep], A[:, keep])
+
+    def pulls(row: np.ndarray | None) -> np.ndarray | None:
+        if row is None or aside is None:
+            return row
+        return set_aside(row, aside).astype(np.float64)
+
     panels = [
-        (f"head {h}", A[h], None if W is None or idx is None else W[h, idx]) for h in range(H)
+        (f"head {h}", A[h], pulls(None if W is None or idx is None else W[h, idx]))
+        for h in range(H)
     ]
     if X_layer is not None:
         mean_row = None if W is None or idx is None else W[:, idx].mean(axis=0)
-        panels.append(("all heads", X_layer, mean_row))
+        panels.append(("all heads", X_layer, pulls(mean_row)))
     ncols = min(4, len(panels))
     nrows = -(-len(panels) // ncols)
     # fixed margins (inches) instead of constrained layout: a dozen panels lay out 5x faster
@@ -397,9 +419,10 @@ def plot_head_movements(
             ax.tick_params(labelbottom=True)
         ax.tick_params(labelsize=6)
     if title:
+        note = "" if aside is None else f" ({aside_note(tokens, aside)})"
         fig.suptitle(
             f"{title}\nhollow: before · filled: after the head's write · orange: pull "
-            "on the focus token (width ∝ weight)",
+            f"on the focus token (width ∝ weight){note}",
             fontsize=10,
         )
     return fig

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import to_numpy
+from ._arrays import to_floats, to_numpy
 
 __all__ = [
     "BROAD_MIN_ENTROPY",
@@ -234,7 +234,7 @@ def head_patterns(
         >>> [[p.label for p in layer] for layer in head_patterns(np.eye(3)[None, None])]
         [['diagonal']]
     """
-    a = to_numpy(attentions, "attentions")
+    a = to_floats(attentions, "attentions")  # float32 stays: each head goes to float64 alone
     if a.ndim == 5 and a.shape[1] == 1:  # (layers, B=1, H, L, S) -> (layers, H, L, S)
         a = a[:, 0]
     if a.ndim != 4:
