@@ -1,0 +1,433 @@
+"""Fused additive (Bahdanau) attention in Triton: forward and backward, tiled over (L, S).
+
+Math (per batch row; ``a = W_q q + bias`` (L, A) and ``b = W_k k`` (S, A) come from torch GEMMs)::
+
+    t_ijk = tanh(a_ik + b_jk)        s_ij = sum_k w_k t_ijk        (+ mask: -inf, or a float bias)
+    lse_i = log sum_j exp(s_ij)      P = exp(s - lse)               O = P V
+
+    backward, with D_i = sum_e dO_ie O_ie (= sum_j P_ij dP_ij):
+    dV = P^T dO      dP = dO V^T      dS = P * (dP - D)
+    da_ik = sum_j dS_ij w_k (1 - t_ijk^2)     db_jk = sum_i dS_ij w_k (1 - t_ijk^2)
+    dw_k  = sum_ij dS_ij t_ijk
+
+Nothing of size (B, L, S, A) is ever formed, and not even the (B, L, S) scores: the forward
+keeps the row log-sum-exp ``lse`` (B, L) and the output, and the backward recomputes each tile.
+
+Cost. Unlike dot-product attention this is not a matrix multiply: every (i, j, k) costs one tanh,
+a few adds and one multiply-add, so the bound is the GPU's special-function units (SFU). Here
+``tanh(x) = 1 - 2 r`` with ``r = 1 / (exp2(2 log2(e) x) + 1)``: one ``exp2`` and one reciprocal,
+two SFU operations (Triton has no portable ``tanh``; this form also runs in the interpreter), and
+the backward's slope ``1 - tanh^2 = 4 e r^2`` (``e`` the exp2) costs two multiplies, no SFU. ``a``
+and ``b`` are stored pre-scaled by ``2 log2(e)``, so the argument is one add. The forward
+evaluates B L S A tanh, the backward 2 B L S A (once to rebuild the scores, once for the
+gradients), about half of each when causal. P V, dO V^T and P^T dO are ``tl.dot`` s, a small
+share of the time (at A = Dv they are 3 of the ~9 B L S A-sized operations of the backward).
+
+Bound: an H100 SXM has 132 SMs x 16 SFU results per clock (compute capability 9.0) x ~1.98 GHz =
+4.2e12 SFU operations/s, so 2.1e12 tanh/s with two operations per tanh: at B=8, L=S=1024, A=256
+the 3 B L S A = 6.4e9 tanh of forward + backward take >= 3.1 ms.
+
+Tiling::
+
+                       keys  j0 ........ j0+BLOCK_S            aT (B, A, L), bT (B, A, S): the
+    forward program ->  rows  [ s tile, fp32 registers ]        column k of a tile is one
+    (one BLOCK_L row   i0     for k in 0..A-1:                  contiguous load of each
+     block, all keys) ...       s += w_k tanh(aT[k, rows] +     (a "rank-1 tanh" update of the
+                                              bT[k, cols])       whole tile, no reduction)
+
+* **Forward**: a program owns ``BLOCK_L`` query rows of one batch row and walks the key blocks
+  with an online softmax (running max ``m``, sum ``l`` and output ``acc`` (BLOCK_L, Dv) in
+  registers), as Triton's fused-attention tutorial. The score tile is built by a loop over the
+  A columns, one tanh plane per column. Causal rows stop at their last visible key block.
+* **Backward**: a program owns ``BLOCK_S`` keys of one batch row and walks the query blocks that
+  can see them (FlashAttention-2's order). Per tile: pass 1 over A rebuilds ``s``, then ``P`` from
+  ``lse``, ``dS``, and ``dV += P^T dO`` (registers: the program owns these keys). Pass 2 over A
+  recomputes ``t`` and reduces ``g = dS w_k (1 - t^2)`` along both axes, and ``dS t`` to one
+  number. ``db`` and the program's row of ``dw`` partials belong to this program alone; ``da``
+  rows are shared by every key block, so they are added with atomics, and each program starts its
+  walk at a different query block (rotated by its key block) so that concurrent programs rarely
+  add to the same rows. The alternatives cost more tanh: a second kernel per query block for
+  ``da`` (a fourth pass), or storing ``dS`` (B, L, S). Atomics make the float32 summation order,
+  not the result, vary between runs. ``db`` and ``dw`` use atomics too, without contention: a
+  program only revisits its own addresses, and an atomic read-modify-write needs no barrier
+  between the threads of a program (a plain load-add-store would).
+
+Dtypes: ``a``, ``b``, ``w``, the scores, softmax statistics and accumulators are float32; V, the
+output and dO stay in the inputs' dtype (float32, bfloat16, float16), and P is cast to it for the
+products (float32 products in IEEE precision, not TF32, to meet float32 tolerances).
+
+A row with no attendable key (mask or causal) gets ``lse = +inf``: P = 0, output 0, gradients 0.
+
+The readable spec of the same computation is :func:`reference` below (it materialises the
+(N, L, S, A) tanh: small inputs only), itself tested against the float64 NumPy oracle
+:func:`attnlab.reference.additive_attention`. Block sizes are :data:`BLOCKS`, measured with
+``benchmarks/bench_gpu_additive.py --sweep``.
+
+References: Bahdanau, Cho, Bengio, ICLR 2015 (the score); Dao, "FlashAttention-2", 2023 (the
+tiling and the backward's order).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from attnlab.kernels import _triton
+
+TWO_LOG2E = 2.0 / math.log(2.0)  # tanh(x) = 1 - 2 / (exp2(TWO_LOG2E * x) + 1)
+EXP2_CAP = tl.constexpr(64.0)  # exp2's argument is capped (tanh is 1.0 in float32 from 26 on)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_VALUE_DIM = 256  # the output tile (BLOCK_L, Dv) lives in registers
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Tile sizes: query rows and keys per tile (powers of two >= 16, for ``tl.dot``), warps."""
+
+    rows: int
+    keys: int
+    warps: int
+
+
+# CUDA: a first choice by the designs above, to be confirmed on an H100 with
+# ``bench_gpu_additive.py --sweep``. The interpreter: the smallest tiles, so that small test
+# shapes still span several tiles in both directions.
+BLOCKS = {"cuda": Blocks(64, 64, 4), "interpreter": Blocks(16, 16, 1)}
+
+
+def blocks_for(device: torch.device) -> Blocks:
+    return BLOCKS["interpreter"] if device.type == "cpu" else BLOCKS["cuda"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _tanh(x2):
+    """tanh(x) from x2 = 2 log2(e) x: one exp2 and one reciprocal (two SFU operations)."""
+    r = 1.0 / (tl.exp2(tl.minimum(x2, EXP2_CAP, propagate_nan=tl.PropagateNan.ALL)) + 1.0)
+    return 1.0 - 2.0 * r
+
+
+@triton.jit
+def _tanh_and_slope(x2):
+    """tanh(x) and 1 - tanh(x)^2 from x2 = 2 log2(e) x.
+
+    With e = exp2(x2) and r = 1 / (e + 1): tanh = 1 - 2r and 1 - tanh^2 = 4 e r^2, a product
+    accurate to a few ulps even where it is tiny (1 - t*t would cancel there).
+    """
+    e = tl.exp2(tl.minimum(x2, EXP2_CAP, propagate_nan=tl.PropagateNan.ALL))
+    r = 1.0 / (e + 1.0)
+    return 1.0 - 2.0 * r, 4.0 * (e * r) * r
+
+
+@triton.jit
+def _dot(x, y, WIDEN: tl.constexpr):
+    """x @ y, float32 accumulation. WIDEN: float32 operands (exact for 16-bit inputs), set for
+    bfloat16 in the interpreter, whose ``tl.dot`` multiplies bfloat16's raw bits (Triton 3.9)."""
+    if WIDEN:
+        x, y = x.to(tl.float32), y.to(tl.float32)
+    return tl.dot(x, y, input_precision="ieee")
+
+
+@triton.jit
+def _score_tile(
+    a_ptr, b_ptr, w_ptr, rows, cols, L, S, A, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr
+):
+    """s[i, j] = sum_k w_k tanh(a_ik + b_jk) for one tile; a_ptr (A, L), b_ptr (A, S)."""
+    s = tl.zeros((BLOCK_L, BLOCK_S), dtype=tl.float32)
+    for k in range(0, A):
+        a_k = tl.load(a_ptr + k * L + rows, mask=rows < L, other=0.0)  # (BLOCK_L,)
+        b_k = tl.load(b_ptr + k * S + cols, mask=cols < S, other=0.0)  # (BLOCK_S,)
+        s += tl.load(w_ptr + k) * _tanh(a_k[:, None] + b_k[None, :])
+    return s
+
+
+@triton.jit
+def _visible(
+    s, m_ptr, rows, cols, L, S, offset, smn, sml, sms,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr,
+):  # fmt: skip
+    """The scores with the mask applied: -inf where a key may not be attended (or is padding).
+
+    MASK: 0 none, 1 bool (stored as uint8, nonzero = may attend), 2 float (added).
+    CAUSAL: key j is visible to row i iff j <= i + offset (0 top-left, S - L bottom-right).
+    """
+    ok = (rows[:, None] < L) & (cols[None, :] < S)
+    if CAUSAL:
+        ok = ok & (cols[None, :] <= rows[:, None] + offset)
+    if MASK != 0:
+        m = tl.load(m_ptr + rows[:, None] * sml + cols[None, :] * sms, mask=ok, other=0)
+        if MASK == 1:
+            ok = ok & (m != 0)
+        else:
+            s = s + m.to(tl.float32)
+    return tl.where(ok, s, float("-inf"))
+
+
+@triton.jit
+def _fwd_kernel(
+    AT, BT, W, V, M, O, LSE,
+    L, S, A, DV, offset,
+    svn, svs, svd, smn, sml, sms,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, WIDEN: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    i0 = tl.program_id(0) * BLOCK_L
+    n = tl.program_id(1).to(tl.int64)
+    rows = i0 + tl.arange(0, BLOCK_L)
+    dv = tl.arange(0, BLOCK_DV)
+    a_ptr, b_ptr = AT + n * A * L, BT + n * A * S
+    v_ptr, m_ptr = V + n * svn, M + n * smn
+
+    m_i = tl.full((BLOCK_L,), float("-inf"), dtype=tl.float32)  # running row max
+    l_i = tl.zeros((BLOCK_L,), dtype=tl.float32)  # running sum of exp(s - m_i)
+    acc = tl.zeros((BLOCK_L, BLOCK_DV), dtype=tl.float32)  # running sum of exp(s - m_i) v_j
+    hi = S
+    if CAUSAL:  # the block's last row sees keys up to i0 + BLOCK_L - 1 + offset
+        hi = tl.maximum(0, tl.minimum(S, i0 + BLOCK_L + offset))
+    for j0 in range(0, hi, BLOCK_S):
+        cols = j0 + tl.arange(0, BLOCK_S)
+        s = _score_tile(a_ptr, b_ptr, W, rows, cols, L, S, A, BLOCK_L, BLOCK_S)
+        s = _visible(s, m_ptr, rows, cols, L, S, offset, smn, sml, sms, MASK, CAUSAL)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row seeing nothing yet: p = 0
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])  # (BLOCK_L, BLOCK_S)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_ptr + cols[:, None] * svs + dv[None, :] * svd,
+            mask=(cols[:, None] < S) & (dv[None, :] < DV),
+            other=0.0,
+        )  # (BLOCK_S, BLOCK_DV)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, WIDEN)
+        m_i = m_new
+
+    alive = l_i > 0  # dead rows (no attendable key): output 0, lse = +inf
+    l_safe = tl.where(alive, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    row_ok = rows < L
+    o_ptrs = O + n * L * DV + rows[:, None] * DV + dv[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+    lse = tl.where(alive, m_i + tl.log(l_safe), float("inf"))
+    tl.store(LSE + n * L + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _bwd_kernel(
+    AT, BT, W, V, M, DO, LSE, DELTA, DAT, DBT, DWP, DVO,
+    L, S, A, DV, offset,
+    svn, svs, svd, smn, sml, sms,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, WIDEN: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    pid_s = tl.program_id(0)
+    j0 = pid_s * BLOCK_S
+    n = tl.program_id(1).to(tl.int64)
+    cols = j0 + tl.arange(0, BLOCK_S)
+    dv = tl.arange(0, BLOCK_DV)
+    a_ptr, b_ptr = AT + n * A * L, BT + n * A * S
+    da_ptr, db_ptr = DAT + n * A * L, DBT + n * A * S
+    dw_ptr = DWP + (n * tl.num_programs(0) + pid_s) * A  # this program's row of dw partials
+    m_ptr = M + n * smn
+    v_mask = (cols[:, None] < S) & (dv[None, :] < DV)
+    v = tl.load(
+        V + n * svn + cols[:, None] * svs + dv[None, :] * svd, mask=v_mask, other=0.0
+    )  # (BLOCK_S, BLOCK_DV)
+    dv_acc = tl.zeros((BLOCK_S, BLOCK_DV), dtype=tl.float32)
+
+    first = 0
+    if CAUSAL:  # rows before j0 - offset see none of these keys
+        first = tl.maximum(0, j0 - offset) // BLOCK_L
+    count = tl.cdiv(L, BLOCK_L) - first
+    for it in range(0, count):
+        i0 = (first + (it + pid_s) % count) * BLOCK_L  # rotated start: fewer colliding atomics
+        rows = i0 + tl.arange(0, BLOCK_L)
+        row_ok = rows < L
+        # pass 1: the scores again, and dS
+        s = _score_tile(a_ptr, b_ptr, W, rows, cols, L, S, A, BLOCK_L, BLOCK_S)
+        s = _visible(s, m_ptr, rows, cols, L, S, offset, smn, sml, sms, MASK, CAUSAL)
+        lse = tl.load(LSE + n * L + rows, mask=row_ok, other=float("inf"))
+        p = tl.where(s == float("-inf"), 0.0, tl.exp(s - lse[:, None]))  # (BLOCK_L, BLOCK_S)
+        do = tl.load(
+            DO + n * L * DV + rows[:, None] * DV + dv[None, :],
+            mask=row_ok[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )  # (BLOCK_L, BLOCK_DV)
+        dv_acc += _dot(tl.trans(p.to(do.dtype)), do, WIDEN)
+        dp = _dot(do, tl.trans(v), WIDEN)
+        delta = tl.load(DELTA + n * L + rows, mask=row_ok, other=0.0)
+        ds = p * (dp - delta[:, None])
+        # pass 2: t again; reduce g = dS w_k (1 - t^2) over keys (da) and rows (db)
+        for k in range(0, A):
+            a_k = tl.load(a_ptr + k * L + rows, mask=row_ok, other=0.0)
+            b_k = tl.load(b_ptr + k * S + cols, mask=cols < S, other=0.0)
+            t, slope = _tanh_and_slope(a_k[:, None] + b_k[None, :])
+            g = ds * (tl.load(W + k) * slope)
+            tl.atomic_add(da_ptr + k * L + rows, tl.sum(g, 1), mask=row_ok)
+            tl.atomic_add(db_ptr + k * S + cols, tl.sum(g, 0), mask=cols < S)
+            tl.atomic_add(dw_ptr + k, tl.sum(tl.sum(ds * t, 1), 0))
+
+    dv_ptrs = DVO + n * S * DV + cols[:, None] * DV + dv[None, :]
+    tl.store(dv_ptrs, dv_acc.to(DVO.dtype.element_ty), mask=v_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _mask_args(mask: torch.Tensor | None, device):
+    """(kind, tensor, strides (N, L, S)) for the kernels; bool masks are read as uint8."""
+    if mask is None:
+        return 0, torch.empty(1, device=device), (0, 0, 0)
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)  # same bytes; Triton reads them as integers
+        return 1, mask, mask.stride()
+    return 2, mask, mask.stride()
+
+
+def _offset(alignment: str | None, L: int, S: int) -> int:
+    return S - L if alignment == "bottom_right" else 0
+
+
+class _AdditiveAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, w, value, mask, alignment, blocks):
+        N, L, A = a.shape
+        S, DV = b.shape[1], value.shape[2]
+        at = (a * TWO_LOG2E).transpose(1, 2).contiguous()  # (N, L, A) -> (N, A, L), pre-scaled
+        bt = (b * TWO_LOG2E).transpose(1, 2).contiguous()  # (N, S, A) -> (N, A, S)
+        w = w.contiguous()
+        kind, m, m_strides = _mask_args(mask, a.device)
+        out = value.new_empty(N, L, DV)
+        lse = a.new_empty(N, L)
+        meta = dict(
+            MASK=kind,
+            CAUSAL=alignment is not None,
+            WIDEN=value.dtype == torch.bfloat16 and value.device.type == "cpu",
+            BLOCK_L=blocks.rows,
+            BLOCK_S=blocks.keys,
+            BLOCK_DV=max(16, triton.next_power_of_2(DV)),
+            num_warps=blocks.warps,
+        )
+        _fwd_kernel[(triton.cdiv(L, blocks.rows), N)](
+            at, bt, w, value, m, out, lse,
+            L, S, A, DV, _offset(alignment, L, S),
+            *value.stride(), *m_strides,
+            **meta,
+        )  # fmt: skip
+        ctx.save_for_backward(at, bt, w, value, m, out, lse)
+        ctx.meta, ctx.m_strides, ctx.offset = meta, m_strides, _offset(alignment, L, S)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        at, bt, w, value, m, out, lse = ctx.saved_tensors
+        N, A, L = at.shape
+        S, DV = bt.shape[2], value.shape[2]
+        grad_out = grad_out.contiguous()
+        delta = (grad_out.float() * out.float()).sum(-1)  # (N, L): D_i = sum_e dO_ie O_ie
+        dat, dbt = torch.zeros_like(at), torch.zeros_like(bt)
+        key_blocks = triton.cdiv(S, ctx.meta["BLOCK_S"])
+        dw_parts = w.new_zeros(N, key_blocks, A)
+        dvalue = value.new_empty(N, S, DV)
+        _bwd_kernel[(key_blocks, N)](
+            at, bt, w, value, m, grad_out, lse, delta, dat, dbt, dw_parts, dvalue,
+            L, S, A, DV, ctx.offset,
+            *value.stride(), *ctx.m_strides,
+            **ctx.meta,
+        )  # fmt: skip
+        da = dat.transpose(1, 2)  # (N, A, L) -> (N, L, A)
+        db = dbt.transpose(1, 2)  # (N, A, S) -> (N, S, A)
+        return da, db, dw_parts.sum((0, 1)), dvalue, None, None, None
+
+
+def additive_attention(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    w: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    alignment: str | None = None,
+    blocks: Blocks | None = None,
+) -> torch.Tensor:
+    """softmax(w . tanh(a_i + b_j) + M) V, fused: (N,L,A), (N,S,A), (A,), (N,S,Dv) -> (N,L,Dv).
+
+    Args:
+        a: float32 (N, L, A), the projected queries ``W_q q + bias``.
+        b: float32 (N, S, A), the projected keys ``W_k k``.
+        w: float32 (A,), the score vector.
+        value: (N, S, Dv) in float32, bfloat16 or float16; the output has its dtype.
+        mask: None, bool (True = may attend) or a float bias without gradient, of shape
+            (N, L, S) -- an expanded view is read in place through its (zero) strides.
+        alignment: None, "top_left" or "bottom_right" causal (see :mod:`attnlab.masks`).
+        blocks: tile sizes; :func:`blocks_for` the device by default.
+
+    Differentiable in ``a``, ``b``, ``w`` and ``value``. Call :func:`supports` first.
+    """
+    blocks = blocks or blocks_for(a.device)
+    return _AdditiveAttention.apply(
+        a.contiguous(), b.contiguous(), w, value.contiguous(), mask, alignment, blocks
+    )
+
+
+def supports(query, key, value, attn_mask) -> str | None:
+    """None if the fused kernel serves these (user-facing) inputs, else a one-line reason.
+
+    ``query`` (..., L, Dq), ``key`` (..., S, Dk), ``value`` (..., S, Dv), ``attn_mask``
+    broadcastable to (..., L, S), already checked by the caller.
+    """
+    if query.dtype not in DTYPES:
+        return f"{query.dtype}: the kernel takes float32, bfloat16 and float16"
+    if value.dtype != query.dtype or key.dtype != query.dtype:
+        return f"mixed dtypes (query {query.dtype}, key {key.dtype}, value {value.dtype})"
+    if 0 in query.shape or 0 in key.shape[-2:] or 0 in value.shape[-1:]:
+        return "an empty dimension: nothing to tile"
+    if value.shape[-1] > MAX_VALUE_DIM:
+        return f"value width Dv={value.shape[-1]} > {MAX_VALUE_DIM} (the output tile in registers)"
+    lead = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+    if value.dim() != len(lead) + 2 or any(
+        v not in (1, n) for v, n in zip(value.shape[:-2], lead, strict=True)
+    ):
+        return f"value's leading dims {tuple(value.shape[:-2])} do not broadcast to {tuple(lead)}"
+    if attn_mask is not None and attn_mask.requires_grad:
+        return "a float mask that requires grad: the kernel gives no gradient for the mask"
+    return None
+
+
+def describe(query, key, value, w_score) -> str:
+    """The kernel and its tiling in one line (for ``explain_additive()``)."""
+    blk = blocks_for(query.device)
+    return (
+        f"fused additive kernel, {_triton.where()}: tiles of {blk.rows} query rows x "
+        f"{blk.keys} keys, online softmax over A={w_score.shape[0]} tanh per score; saves the "
+        "row log-sum-exp, never the (..., L, S, A) tanh nor the scores (the backward recomputes)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The readable spec
+
+
+def reference(a, b, w, value, mask=None, alignment=None):
+    """What :func:`additive_attention` computes, in plain torch (forms (N, L, S, A): small only)."""
+    L, S = a.shape[1], b.shape[1]
+    scores = torch.tanh(a[:, :, None, :] + b[:, None, :, :]) @ w  # (N, L, S, A) @ (A,) -> (N, L, S)
+    keep = torch.ones(L, S, dtype=torch.bool, device=a.device)
+    if alignment is not None:
+        offset = _offset(alignment, L, S)
+        pos = torch.arange(max(L, S), device=a.device)
+        keep = pos[None, :S] <= pos[:L, None] + offset  # (L, S)
+    if mask is not None and mask.dtype == torch.bool:
+        keep = keep & mask
+    elif mask is not None:
+        scores = scores + mask
+    scores = scores.masked_fill(~keep, float("-inf"))
+    alive = (scores != float("-inf")).any(-1, keepdim=True)  # rows with an attendable key
+    weights = torch.softmax(scores.masked_fill(~alive, 0.0), -1).masked_fill(~alive, 0.0)
+    return weights.to(value.dtype) @ value  # (N, L, S) @ (N, S, Dv) -> (N, L, Dv)
