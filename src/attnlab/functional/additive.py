@@ -16,6 +16,12 @@ also runs in bounded memory:
     ds/dw   = sum_ij g_ij t_ij
     ds/da_i = sum_j  g_ij w * (1 - t_ij^2)
     ds/db_j = sum_i  g_ij w * (1 - t_ij^2)
+
+On CUDA (and on CPU under ``TRITON_INTERPRET=1``) :func:`additive_attention` runs attnlab's fused
+Triton kernel instead (:mod:`attnlab.kernels.triton_additive`): the same math tiled over (L, S)
+with an online softmax, so not even the (B, L, S) scores are stored. It falls back to the path
+above for what it does not take (weights requested, dropout, float64, ...);
+:func:`explain_additive` says which path a call takes and why.
 """
 
 from __future__ import annotations
@@ -26,7 +32,10 @@ import torch
 
 from attnlab._checks import causal_alignment, check_floating, check_mask
 from attnlab.functional._layout import propagate_nonfinite, with_causal
+from attnlab.functional.sdpa import Dispatch
 from attnlab.functional.softmax import LOW_PRECISION, attention
+from attnlab.kernels import _triton
+from attnlab.masks import plain
 
 CHUNK_BYTES = 8 * 2**20  # per-block buffer: large enough for big matmuls, small for the caches
 
@@ -130,10 +139,7 @@ def _scores(query, key, w_query, w_key, w_score, bias) -> torch.Tensor:
     check_floating("w_score", w_score)
     _check_additive_shapes(query, key, w_query, w_key, w_score, bias)
     dtype = torch.float32 if query.dtype in LOW_PRECISION else query.dtype
-    a = query.to(dtype) if w_query is None else query.to(dtype) @ w_query.to(dtype).T  # (.., L, A)
-    if bias is not None:
-        a = a + bias.to(dtype)
-    b = key.to(dtype) if w_key is None else key.to(dtype) @ w_key.to(dtype).T  # (..., S, A)
+    a, b = _projections(query, key, w_query, w_key, bias, dtype)
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     N = math.prod(lead)
     a3 = a.expand(*lead, *a.shape[-2:]).reshape(N, *a.shape[-2:])  # (N, L, A)
@@ -142,6 +148,15 @@ def _scores(query, key, w_query, w_key, w_score, bias) -> torch.Tensor:
         a3.contiguous(), b3.contiguous(), w_score.to(dtype).contiguous(), CHUNK_BYTES
     )
     return scores.view(*lead, a.shape[-2], b.shape[-2])
+
+
+def _projections(query, key, w_query, w_key, bias, dtype):
+    """a = W_q q + bias (..., L, A) and b = W_k k (..., S, A), in ``dtype``."""
+    a = query.to(dtype) if w_query is None else query.to(dtype) @ w_query.to(dtype).T  # (.., L, A)
+    if bias is not None:
+        a = a + bias.to(dtype)
+    b = key.to(dtype) if w_key is None else key.to(dtype) @ w_key.to(dtype).T  # (..., S, A)
+    return a, b
 
 
 def _check_additive_shapes(query, key, w_query, w_key, w_score, bias) -> None:
@@ -233,12 +248,15 @@ def additive_attention(
         >>> additive_attention(q, k, k, w_q, w_k, w).shape
         torch.Size([2, 3, 6])
     """
-    check_floating("value", value)
-    if value.shape[-2] != key.shape[-2]:
-        raise ValueError(
-            f"key and value must have the same length S; got key {tuple(key.shape)} and value "
-            f"{tuple(value.shape)}. Fix: every key needs exactly one value."
-        )
+    _check_value(key, value)
+    # (is_cuda first: the CPU path pays ~0.1 us for the question, not unfit()'s ~5)
+    if (query.is_cuda or _triton.INTERPRET) and _triton.unfit(query, key, value, attn_mask) is None:
+        lead, alignment = _checked(query, key, w_query, w_key, w_score, bias, attn_mask, is_causal)
+        if _kernel_unfit(query, key, value, attn_mask, dropout_p, return_weights) is None:
+            out = _fused(
+                query, key, value, w_query, w_key, w_score, attn_mask, bias, lead, alignment
+            )
+            return propagate_nonfinite(query, key, value, out)[0].to(query.dtype)
     scores = _scores(query, key, w_query, w_key, w_score, bias)  # (..., L, S)
     L, S = scores.shape[-2], scores.shape[-1]
     alignment = causal_alignment(is_causal, L, S)
@@ -249,3 +267,104 @@ def additive_attention(
     # NaN/inf inputs propagate (docs/conventions.md)
     out, weights = propagate_nonfinite(query, key, value, out, weights)
     return (out.to(query.dtype), weights.to(query.dtype)) if return_weights else out.to(query.dtype)
+
+
+def explain_additive(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    w_query: torch.Tensor,
+    w_key: torch.Tensor,
+    w_score: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    is_causal: bool | str = False,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+) -> Dispatch:
+    """Which path :func:`additive_attention` takes for these inputs, and why.
+
+    ``"triton"``: the fused kernel (:mod:`attnlab.kernels.triton_additive`); ``"chunked"``: the
+    blocked torch path of this module, with the reason the kernel does not serve the call.
+
+    Example:
+        >>> q, k = torch.randn(2, 3, 8), torch.randn(2, 5, 6)
+        >>> w_q, w_k, w = torch.randn(16, 8), torch.randn(16, 6), torch.randn(16)
+        >>> explain_additive(q, k, k, w_q, w_k, w).path  # CPU, no TRITON_INTERPRET=1
+        'chunked'
+    """
+    _check_value(key, value)
+    lead, alignment = _checked(query, key, w_query, w_key, w_score, bias, attn_mask, is_causal)
+    why = _triton.unfit(query, key, value, attn_mask) or _kernel_unfit(
+        query, key, value, attn_mask, dropout_p, return_weights
+    )
+    if why is None:
+        from attnlab.kernels import triton_additive
+
+        return Dispatch("triton", (triton_additive.describe(query, key, value, w_score),))
+    A, L, S = w_score.shape[0], query.shape[-2], key.shape[-2]
+    dtype = torch.float32 if query.dtype in LOW_PRECISION else query.dtype
+    rows = min(L, _rows_per_chunk(query.new_empty((), dtype=dtype), S, A, CHUNK_BYTES))
+    return Dispatch(
+        "chunked",
+        (
+            f"the fused Triton kernel does not serve: {why}",
+            f"tanh in blocks of {rows} query rows x {S} keys x A={A} in one "
+            f"{CHUNK_BYTES / 2**20:g} MiB buffer, (..., L, S) scores stored, recomputed tanh in "
+            "the backward",
+        ),
+    )
+
+
+def _check_value(key, value) -> None:
+    check_floating("value", value)
+    if value.shape[-2] != key.shape[-2]:
+        raise ValueError(
+            f"key and value must have the same length S; got key {tuple(key.shape)} and value "
+            f"{tuple(value.shape)}. Fix: every key needs exactly one value."
+        )
+
+
+def _checked(query, key, w_query, w_key, w_score, bias, attn_mask, is_causal):
+    """The chunked path's checks, up front: (the broadcast leading dims, the causal alignment)."""
+    for name, t in (("query", query), ("key", key), ("w_query", w_query), ("w_key", w_key)):
+        if t is not None:
+            check_floating(name, t)
+    check_floating("w_score", w_score)
+    _check_additive_shapes(query, key, w_query, w_key, w_score, bias)
+    lead = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+    L, S = query.shape[-2], key.shape[-2]
+    alignment = causal_alignment(is_causal, L, S)
+    if attn_mask is not None:
+        check_mask(attn_mask, (*lead, L, S))
+    return lead, alignment
+
+
+def _kernel_unfit(query, key, value, attn_mask, dropout_p, return_weights) -> str | None:
+    """None when the fused kernel serves a call whose tensors Triton can take, else why not."""
+    if return_weights:
+        return "return_weights=True: the kernel never forms the weights (this path returns them)"
+    if dropout_p > 0:
+        return "dropout_p > 0: the kernel has no dropout"
+    if torch.compiler.is_compiling():
+        return "under torch.compile (its graph keeps torch's ops)"
+    from attnlab.kernels import triton_additive  # imports Triton: only now that it may run
+
+    return triton_additive.supports(query, key, value, attn_mask)
+
+
+def _fused(query, key, value, w_query, w_key, w_score, attn_mask, bias, lead, alignment):
+    """The kernel's call: projections by torch GEMMs (float32), batch dims flattened to N."""
+    from attnlab.kernels import triton_additive
+
+    a, b = _projections(query, key, w_query, w_key, bias, torch.float32)  # (.., L, A), (.., S, A)
+    (L, A), S, Dv = a.shape[-2:], key.shape[-2], value.shape[-1]
+    N = math.prod(lead)
+    a = a.expand(*lead, L, A).reshape(N, L, A)  # (..., L, A) -> (N, L, A)
+    b = b.expand(*lead, S, A).reshape(N, S, A)  # (..., S, A) -> (N, S, A)
+    v = value.expand(*lead, S, Dv).reshape(N, S, Dv)  # (..., S, Dv) -> (N, S, Dv)
+    if attn_mask is not None:  # (..., L, S) -> (N, L, S), a view when the dims merge
+        attn_mask = plain(attn_mask).expand(*lead, L, S).reshape(N, L, S)
+    out = triton_additive.additive_attention(a, b, w_score.float(), v, attn_mask, alignment)
+    return out.view(*lead, L, Dv)

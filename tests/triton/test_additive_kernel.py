@@ -1,0 +1,305 @@
+"""The fused additive-attention kernel (attnlab.kernels.triton_additive) through the interpreter.
+
+Run by tests/test_triton_interpreter.py with TRITON_INTERPRET=1, on CPU tensors, through the very
+kernel code that runs on a GPU. The interpreter tiles 16 query rows x 16 keys, so the odd lengths
+below span several full and partial tiles in both directions.
+
+Tolerances come from a control, never guessed: the naive formula (the (..., L, S, A) tanh, then
+softmax, then the weighted sum, with autograd) run in the same dtype; the kernel's error against
+the float64 oracle may be at most twice the control's, floored at a few ulps of the values' scale.
+Gradients are held to the same rule against autograd of that formula in float64, which the
+forward checks tie to the NumPy oracle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import attnlab.functional as AF
+import attnlab.reference as R
+from attnlab.functional import additive
+from attnlab.kernels import triton_additive
+from conftest import np64
+
+F64 = torch.float64
+NAMES = ("query", "key", "value", "w_query", "w_key", "w_score", "bias")
+
+
+def make(lead, L, S, Dq, Dk, Dv, A, seed=0):
+    """Float64 leaves: query, key, value, w_query, w_key, w_score, bias (a ~ b ~ unit scale)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((*lead, L, Dq), (*lead, S, Dk), (*lead, S, Dv), (A, Dq), (A, Dk), (A,), (A,))
+    scales = (1, 1, 1, Dq**-0.5, Dk**-0.5, 1, 0.5)
+    return [torch.randn(s, generator=g, dtype=F64) * c for s, c in zip(shapes, scales, strict=True)]
+
+
+def scores_of(query, key, w_query, w_key, w_score, bias, mask, is_causal):
+    """a, b, and the masked scores (-inf where a key may not be attended), in the inputs' dtype."""
+    a = query @ w_query.T + bias  # (..., L, A)
+    b = key @ w_key.T  # (..., S, A)
+    L, S = a.shape[-2], b.shape[-2]
+    keep = torch.ones(L, S, dtype=torch.bool)
+    if is_causal:
+        offset = S - L if is_causal == "bottom_right" else 0
+        keep = torch.arange(S)[None, :] <= torch.arange(L)[:, None] + offset
+    if mask is not None and mask.dtype == torch.bool:
+        keep = keep & mask
+    bias_ls = torch.zeros(keep.shape, dtype=a.dtype).masked_fill(~keep, float("-inf"))
+    if mask is not None and mask.dtype != torch.bool:
+        bias_ls = bias_ls + mask.to(a.dtype)  # (..., L, S)
+    return a, b, bias_ls
+
+
+def naive(query, key, value, w_query, w_key, w_score, bias, mask, is_causal):
+    """Control 1: the textbook formula in the inputs' dtype, with autograd; dead rows 0."""
+    a, b, bias_ls = scores_of(query, key, w_query, w_key, w_score, bias, mask, is_causal)
+    scores = torch.tanh(a[..., :, None, :] + b[..., None, :, :]) @ w_score + bias_ls  # (.., L, S)
+    alive = (scores != float("-inf")).any(-1, keepdim=True)
+    weights = torch.softmax(scores.masked_fill(~alive, 0.0), -1).masked_fill(~alive, 0.0)
+    return weights @ value
+
+
+class FlashStyle(torch.autograd.Function):
+    """Control 2: the kernel's own formulation, materialised in plain torch ops.
+
+    The forward keeps the row log-sum-exp; the backward rebuilds P = exp(s - lse) and uses
+    D = rowsum(dO * O), as the kernel does. Its float32 rounding differs from autograd's (P is
+    not renormalised, D comes from the rounded output), which is why it is a control too. In
+    float64 it must equal autograd of :func:`naive` (checked below).
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, w, v, bias_ls):  # (..., L, A), (..., S, A), (A,), (..., S, Dv)
+        s = torch.tanh(a[..., :, None, :] + b[..., None, :, :]) @ w + bias_ls  # (..., L, S)
+        lse = torch.logsumexp(s, -1, keepdim=True)
+        lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # dead rows: P = 0
+        out = torch.exp(s - lse) @ v
+        ctx.save_for_backward(a, b, w, v, bias_ls, lse, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        a, b, w, v, bias_ls, lse, out = ctx.saved_tensors
+        t = torch.tanh(a[..., :, None, :] + b[..., None, :, :])  # (..., L, S, A)
+        p = torch.exp(t @ w + bias_ls - lse)
+        ds = p * (d_out @ v.transpose(-1, -2) - (d_out * out).sum(-1, keepdim=True))
+        g = ds[..., None] * w * (1 - t * t)  # (..., L, S, A)
+        dw = (ds[..., None] * t).reshape(-1, w.shape[0]).sum(0)
+        return g.sum(-2), g.sum(-3), dw, p.transpose(-1, -2) @ d_out, None
+
+
+def flash_style(query, key, value, w_query, w_key, w_score, bias, mask, is_causal):
+    a, b, bias_ls = scores_of(query, key, w_query, w_key, w_score, bias, mask, is_causal)
+    return FlashStyle.apply(a, b, w_score, value, bias_ls)
+
+
+def check(name, got, want, controls, dtype, ulps=4):
+    """max|got - want| <= 2 max|control - want| (the worse control) + a few ulps at want's scale."""
+    err = (got.detach().double() - want.double()).abs().max().item()
+    ctl = max((c.detach().double() - want.double()).abs().max().item() for c in controls)
+    floor = ulps * torch.finfo(dtype).eps * max(1.0, want.double().abs().max().item())
+    assert err <= 2 * ctl + floor, f"{name}: error {err:.3g} > 2 x control {ctl:.3g} + {floor:.3g}"
+
+
+def against_controls(leaves64, mask, causal, dtype, seed):
+    """Output and gradients of the dispatch (the kernel), of both controls and of float64 autograd,
+    with one upstream gradient: a list of (name, got, want, (control 1, control 2))."""
+    runs = []
+    for fn, dt in ((AF.additive_attention, dtype), (naive, dtype), (flash_style, dtype),
+                   (naive, F64)):  # fmt: skip
+        leaves = [t.to(dt).requires_grad_() for t in leaves64]
+        m = mask if mask is None or mask.dtype == torch.bool else mask.to(dt)
+        if fn is AF.additive_attention:
+            out = fn(*leaves[:6], m, bias=leaves[6], is_causal=causal)
+        else:
+            out = fn(*leaves, m, causal)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+        runs.append([out, *torch.autograd.grad(out, leaves, grad.to(dt))])
+    ours, ctl1, ctl2, want = runs
+    controls = zip(ctl1, ctl2, strict=True)
+    return list(zip(("output", *NAMES), ours, want, controls, strict=True))
+
+
+def mask_of(kind, lead, L, S, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if kind is None:
+        return None
+    if kind == "bool":  # (..., L, S), with a row that may attend nothing
+        mask = torch.rand(*lead, L, S, generator=g) > 0.3
+        mask[..., 2, :] = False
+        return mask
+    if kind == "padding":  # (B, 1, 1, S) bool, True = real key: a broadcast view, not expanded
+        lengths = torch.randint(1, S + 1, (lead[0],), generator=g)
+        return (torch.arange(S)[None, :] < lengths[:, None])[:, None, None, :]
+    if kind == "float":  # (L, S) additive bias with one row of -inf
+        mask = torch.randn(L, S, generator=g, dtype=F64)
+        mask[1] = float("-inf")
+        return mask
+    raise ValueError(kind)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Count the kernel's launches through the dispatch."""
+    calls = []
+    launch = triton_additive.additive_attention
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_additive, "additive_attention", spy)
+    return calls
+
+
+# (lead, L, S, Dq, Dk, Dv, A, mask, is_causal): odd lengths, L != S both ways, 2-D to 4-D inputs
+CASES = [
+    ((2,), 19, 23, 5, 6, 3, 7, None, False),
+    ((2,), 23, 19, 4, 4, 20, 8, "bool", "top_left"),
+    ((2,), 17, 37, 6, 3, 5, 6, "bool", "bottom_right"),
+    ((1,), 37, 18, 3, 5, 4, 5, None, "bottom_right"),  # L > S: the first 19 rows see no key
+    ((2, 2), 17, 17, 4, 4, 6, 4, "padding", True),
+    ((), 5, 33, 4, 6, 2, 9, "float", False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-L{c[1]}-S{c[2]}-{c[7]}-{c[8]}")
+def test_float32_output_and_gradients_against_the_oracle(case, kernel_calls):
+    lead, L, S, Dq, Dk, Dv, A, kind, causal = case
+    leaves64 = make(lead, L, S, Dq, Dk, Dv, A)
+    mask = mask_of(kind, lead, L, S)
+    results = against_controls(leaves64, mask, causal, torch.float32, seed=2)
+    assert len(kernel_calls) == 1  # the dispatch took the kernel
+    oracle = R.additive_attention(
+        *(np64(t) for t in leaves64[:6]), np64(mask), bias=np64(leaves64[6]), is_causal=causal
+    )
+    np.testing.assert_allclose(results[0][2].detach().numpy(), oracle, rtol=0, atol=1e-12)
+    for name, got, want, controls in results:
+        assert torch.isfinite(got).all(), name
+        check(name, got, want, controls, torch.float32)
+
+
+def test_the_flash_style_control_is_the_true_gradient_in_float64():
+    lead, L, S, Dq, Dk, Dv, A, kind, causal = CASES[2]
+    leaves = [t.requires_grad_() for t in make(lead, L, S, Dq, Dk, Dv, A)]
+    mask = mask_of(kind, lead, L, S)
+    grad = torch.randn(*lead, L, Dv, dtype=F64)
+    want = torch.autograd.grad(naive(*leaves, mask, causal), leaves, grad)
+    got = torch.autograd.grad(flash_style(*leaves, mask, causal), leaves, grad)
+    for name, g, w in zip(NAMES, got, want, strict=True):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=0, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "dtype,case",
+    [(torch.bfloat16, CASES[1]), (torch.bfloat16, CASES[3]), (torch.float16, CASES[2])],
+    ids=["bf16-bool-top_left", "bf16-L>S-bottom_right", "fp16-bool-bottom_right"],
+)
+def test_16bit_output_and_gradients_within_a_same_dtype_control(dtype, case, kernel_calls):
+    lead, L, S, Dq, Dk, Dv, A, kind, causal = case
+    leaves64 = make(lead, L, S, Dq, Dk, Dv, A, seed=3)
+    leaves64 = [t.to(dtype).double() for t in leaves64]  # the oracle sees the 16-bit inputs
+    mask = mask_of(kind, lead, L, S)
+    results = against_controls(leaves64, mask, causal, dtype, seed=4)
+    assert len(kernel_calls) == 1
+    for name, got, want, controls in results:
+        assert got.dtype == dtype and torch.isfinite(got).all(), name
+        check(name, got, want, controls, dtype)
+
+
+def test_rows_without_a_key_give_zero_output_and_zero_gradients(kernel_calls):
+    # bottom-right causal with L > S: query i sees keys j <= i - (L - S); plus a masked-out row
+    lead, L, S, Dq, Dk, Dv, A = (2,), 21, 16, 3, 4, 5, 6
+    leaves = [t.float().requires_grad_() for t in make(lead, L, S, Dq, Dk, Dv, A, seed=5)]
+    mask = torch.ones(L, S, dtype=torch.bool)
+    mask[L - 1] = False  # the last row, which causal alone would let see every key
+    out = AF.additive_attention(*leaves[:6], mask, bias=leaves[6], is_causal="bottom_right")
+    assert len(kernel_calls) == 1
+    dead = torch.zeros(L, dtype=torch.bool)
+    dead[: L - S] = True
+    dead[L - 1] = True
+    assert (out[:, dead] == 0).all() and (out[:, ~dead] != 0).any(-1).all()
+    out.sum().backward()
+    for name, t in zip(NAMES, leaves, strict=True):
+        assert torch.isfinite(t.grad).all(), name
+    assert (leaves[0].grad[:, dead] == 0).all()  # no gradient reaches a dead query row
+
+
+def test_nan_inputs_propagate_as_the_other_paths_do(kernel_calls):
+    leaves = [t.float() for t in make((2,), 9, 11, 3, 3, 2, 4, seed=6)]
+    leaves[0][1, 4, 0] = float("nan")  # one query row of batch row 1
+    out = AF.additive_attention(*leaves[:6], bias=leaves[6])
+    assert len(kernel_calls) == 1
+    assert out[1, 4].isnan().all() and not out[1, :4].isnan().any() and not out[0].isnan().any()
+
+
+def test_explain_names_the_kernel_under_the_interpreter():
+    leaves = [t.float() for t in make((2,), 9, 11, 3, 3, 2, 4)]
+    got = additive.explain_additive(*leaves[:6], bias=leaves[6], is_causal="bottom_right")
+    assert got.path == "triton", got
+    assert "interpreter" in str(got) and "log-sum-exp" in str(got)
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        ("weights", "return_weights"),
+        ("dropout", "dropout"),
+        ("float64", "float64"),
+        ("mixed", "mixed dtypes"),
+        ("wide_value", "Dv=300"),
+        ("mask_grad", "requires grad"),
+    ],
+)
+def test_what_the_kernel_does_not_take_falls_back_and_says_why(change, reason, kernel_calls):
+    lead, L, S = (2,), 5, 7
+    leaves = [t.float() for t in make(lead, L, S, 3, 4, 300 if change == "wide_value" else 2, 4)]
+    mask, kwargs = None, {}
+    if change == "weights":
+        kwargs["return_weights"] = True
+    elif change == "dropout":
+        kwargs["dropout_p"] = 0.5
+    elif change == "float64":
+        leaves = [t.double() for t in leaves]
+    elif change == "mixed":
+        leaves[2] = leaves[2].bfloat16()
+    elif change == "mask_grad":
+        mask = torch.zeros(L, S, requires_grad=True)
+    got = additive.explain_additive(*leaves[:6], mask, bias=leaves[6], **kwargs)
+    assert got.path == "chunked" and reason in str(got), got
+    result = AF.additive_attention(*leaves[:6], mask, bias=leaves[6], **kwargs)
+    assert kernel_calls == []
+    if change in ("weights", "float64"):  # the chunked path's answer, checked against the oracle
+        out, weights = result if change == "weights" else (result, None)
+        want = R.additive_attention(
+            *(np64(t) for t in leaves[:6]), bias=np64(leaves[6]), return_weights=True
+        )
+        tol = 1e-12 if change == "float64" else 1e-5
+        np.testing.assert_allclose(out.detach().double().numpy(), want[0], rtol=0, atol=tol)
+        if weights is not None:
+            np.testing.assert_allclose(weights.double().numpy(), want[1], rtol=0, atol=tol)
+
+
+def test_bad_input_raises_as_on_the_chunked_path():
+    leaves = [t.float() for t in make((2,), 5, 7, 3, 4, 2, 4)]
+    with pytest.raises(ValueError, match="ambiguous"):
+        AF.additive_attention(*leaves[:6], bias=leaves[6], is_causal=True)  # L != S
+    with pytest.raises(ValueError, match="w_query must be"):
+        AF.additive_attention(leaves[0], leaves[1], leaves[2], leaves[4], *leaves[4:6])
+    with pytest.raises(ValueError, match="does not broadcast"):
+        AF.additive_attention(*leaves[:6], torch.ones(3, 7, dtype=torch.bool))
+
+
+def test_the_readable_reference_is_the_oracle():
+    a, b, v = (torch.randn(2, n, m, dtype=F64) for n, m in ((5, 4), (7, 4), (7, 3)))
+    w = torch.randn(4, dtype=F64)
+    mask = torch.rand(2, 5, 7) > 0.4
+    got = triton_additive.reference(a, b, w, v, mask, "bottom_right")
+    ones = np.eye(4)  # a and b are the projections already: W_q = W_k = identity
+    want = R.additive_attention(
+        a.numpy(), b.numpy(), v.numpy(), ones, ones, w.numpy(), mask.numpy(),
+        is_causal="bottom_right",
+    )  # fmt: skip
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-12)
