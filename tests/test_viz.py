@@ -527,10 +527,13 @@ def decode_dense(data: dict, layer: int) -> np.ndarray:
     import base64
 
     H, L, S = data["num_heads"], len(data["query_tokens"]), len(data["key_tokens"])
-    enc = data["layers"][layer]
+    enc, exact = data["layers"][layer], data["encoding"]["exact"]
     q = np.frombuffer(base64.b64decode(enc["w"]), np.uint8).reshape(H, L, S)
     rowmax = np.frombuffer(base64.b64decode(enc["rowmax"]), "<f4").reshape(H, L)
-    return q / 255 * rowmax[..., None]
+    W = q / 255 * rowmax[..., None]
+    if exact:  # the keys the page can set aside, stored as float32
+        W[..., exact] = np.frombuffer(base64.b64decode(enc["exact"]), "<f4").reshape(H, L, -1)
+    return W
 
 
 def test_quantised_weights_are_within_half_a_level_of_the_row_max():
@@ -572,13 +575,23 @@ def test_explorer_keeps_the_strongest_weights_of_each_row_when_over_budget():
     A = random_weights(rng, 2, 3, 40, 40)
     trace = Trace(tokens=[f"t{i}" for i in range(40)], attentions=A)
     data = explorer_data(trace, max_bytes=2 * 3 * 40 * 3 * 8)  # room for k = 8
-    kept = np.sort(A, axis=-1)[..., -8:].sum(-1).mean()  # rows sum to 1
-    assert data["encoding"] == {"kind": "topk", "k": 8, "levels": 255, "kept": round(kept, 3)}
+    # key 0 (the first token, which the page can set aside) is kept exactly; of the others,
+    # each row keeps its 8 strongest
+    kept = (np.sort(A[..., 1:], axis=-1)[..., -8:].sum(-1) + A[..., 0]).mean()  # rows sum to 1
+    assert data["encoding"] == {
+        "kind": "topk",
+        "k": 8,
+        "levels": 255,
+        "exact": [0],
+        "kept": round(kept, 3),
+    }
     import base64
 
     idx = np.frombuffer(base64.b64decode(data["layers"][1]["idx"]), "<u2").reshape(3, 40, 8)
-    strongest = np.sort(np.argsort(-A[1], axis=-1)[..., :8], axis=-1)
+    strongest = 1 + np.sort(np.argsort(-A[1][..., 1:], axis=-1)[..., :8], axis=-1)
     np.testing.assert_array_equal(idx, strongest)
+    exact = np.frombuffer(base64.b64decode(data["layers"][1]["exact"]), "<f4").reshape(3, 40)
+    np.testing.assert_array_equal(exact, A[1][..., 0].astype(np.float32))
     assert data["movement"] is None
 
 
@@ -596,6 +609,68 @@ def test_explorer_of_a_translation_has_two_token_lists_and_no_movement():
     assert data["kind"] == "cross" and data["key_tokens"][-1] == "</s>"
     assert data["layer_names"] == ["decoder layer 0", "decoder layer 1"]
     assert data["movement"] is None
+
+
+def test_explorer_keeps_rows_accurate_after_setting_a_sink_aside():
+    """A sink head puts 0.95 of each row on [CLS]: the rest must survive 8 bits."""
+    from attnlab.viz.aside import set_aside
+
+    rng = np.random.default_rng(33)
+    L = 12
+    A = random_weights(rng, 1, 2, L, L) * 0.05
+    A[..., 0] += 0.95  # rows still sum to 1
+    special = [True] + [False] * (L - 2) + [True]
+    data = explorer_data(Trace(tokens=[f"t{i}" for i in range(L)], attentions=A, special=special))
+    assert data["encoding"]["exact"] == [0, L - 1]
+    shown = set_aside(decode_dense(data, 0), np.array(special))
+    truth = set_aside(A[0], np.array(special))
+    # Each weight is off by at most 1/510 of the largest other weight of its row; renormalising
+    # divides by a sum whose rounding errors partly cancel: here within 3/510 of the row's
+    # largest. Quantised against the sink's 0.95 instead, one step is 0.95/255/0.05 = 0.075.
+    bound = 3 * truth.max(-1, keepdims=True) / 510
+    assert (np.abs(shown - truth) <= bound).all()
+    assert np.abs(shown - truth).max() < 0.005
+
+
+def test_explorer_overview_thumbnails_and_labels():
+    from attnlab.viz import head_patterns
+
+    rng = np.random.default_rng(32)
+    L = 40
+    A = random_weights(rng, 2, 3, L, L)
+    A[0, 1] = np.eye(L, k=-1)  # a previous-token head (row 0 sees nothing: all 0)
+    A[1, 0] = 0
+    A[1, 0, :, 0] = 1.0  # a sink head
+    special = [True] + [False] * (L - 2) + [True]
+    trace = Trace(tokens=[f"t{i}" for i in range(L)], attentions=A, special=special)
+    data = explorer_data(trace, aside="special")
+    assert data["default"]["aside"] == "special"
+    labels = [[p["label"] for p in heads] for heads in data["patterns"]]
+    assert labels[0][1] == "previous-token" and labels[1][0] == "first-token/sink"
+    assert labels == [[p.label for p in heads] for heads in head_patterns(A, special)]
+    ov = data["overview"]
+    assert (ov["rows"], ov["cols"]) == (32, 32) and set(ov["thumbs"]) == {
+        "none",
+        "special",
+        "first",
+    }
+    import base64
+
+    def thumbs(name, layer):
+        raw = np.frombuffer(base64.b64decode(ov["thumbs"][name][layer]), np.uint8)
+        return raw.reshape(3, 32, 32).astype(float)
+
+    # each thumbnail: blocks of the map averaged, relative to its own largest cell
+    edges = np.linspace(0, L, 33).round().astype(int)
+    small = np.add.reduceat(np.add.reduceat(A[0, 2], edges[:-1], 0), edges[:-1], 1)
+    small /= np.outer(np.diff(edges), np.diff(edges))
+    np.testing.assert_allclose(thumbs("none", 0)[2] / 255, small / small.max(), atol=0.5 / 255)
+    assert (thumbs("none", 1)[0][:, 0] == 255).all() and thumbs("none", 1)[0][:, 1:].max() == 0
+    # the sink head with [CLS] set aside has nothing left: an all-0 thumbnail
+    assert thumbs("special", 1)[0].max() == 0
+    with pytest.raises(ValueError, match="added no special token"):
+        explorer_data(Trace(tokens=list("ab"), attentions=np.full((1, 1, 2, 2), 0.5)),
+                      aside="special")  # fmt: skip
 
 
 def test_explorer_escapes_markup_in_tokens():

@@ -188,7 +188,13 @@ def test_explain_minilm_writes_figures_page_and_summary(tmp_path, minilm, monkey
     assert summary["tokens"][summary["focus"]] == "bank"
     data = page_data((out / "explorer.html").read_text())
     assert (data["num_layers"], data["num_heads"]) == (6, 12) and data["movement"] is not None
-    assert data["default"] == {"layer": 3, "head": -1, "focus": 11, "threshold": 0.1}
+    assert data["default"] == {
+        "layer": 3,
+        "head": -1,
+        "focus": 11,
+        "threshold": 0.1,
+        "aside": "none",
+    }
     # every head's label, from the weights: layer 0 head 2 is the previous-token head
     labels = summary["head_patterns"]
     assert [len(heads) for heads in labels] == [12] * 6

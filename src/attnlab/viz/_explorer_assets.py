@@ -1,7 +1,8 @@
 """The explorer page's CSS and JavaScript (inlined into every page; see explorer.py).
 
 Kept as Python strings so they ship inside the package with no package-data configuration.
-The script reads the JSON block ``#attnlab-data`` and draws three panels; ``window.attnlabExplorer``
+The script reads the JSON block ``#attnlab-data`` and draws four panels (the overview of every
+layer x head, the head view, the heatmap, the movement); ``window.attnlabExplorer``
 exposes the state and the draw functions to tests. It uses no library and no network.
 """
 
@@ -37,6 +38,25 @@ main { display: flex; flex-wrap: wrap; gap: 14px; padding: 14px 18px; align-item
 #movement .axis { font-size: 11px; fill: #666; }
 #movement circle { cursor: pointer; }
 footer { padding: 0 18px 18px; color: #666; font-size: 12px; max-width: 1100px; }
+#overview { display: grid; gap: 3px; align-items: start; max-height: 560px; overflow: auto;
+            padding-right: 4px; }
+#overview .ov-col { font-size: 10px; color: #666; text-align: center; }
+#overview .ov-layer { font: 11px system-ui, sans-serif; color: #444; background: none; border: 0;
+                      padding: 0 6px 0 0; text-align: right; white-space: nowrap;
+                      cursor: pointer; align-self: center; }
+#overview .ov-layer.selected { color: #c0392b; font-weight: 700; }
+#overview .thumb { display: flex; flex-direction: column; align-items: center; padding: 1px;
+                   border: 2px solid transparent; border-radius: 3px; background: #fff;
+                   cursor: pointer; font: inherit; }
+#overview .thumb:hover { border-color: #9ab; }
+#overview .thumb.selected { border-color: #c0392b; }
+#overview .thumb canvas { image-rendering: pixelated; display: block; }
+#overview .pat { font-size: 10px; line-height: 1.25; color: #333; }
+#overview .pat-prev, #overview .pat-next, #overview .pat-diag { color: #1f5fa8; }
+#overview .pat-sink { color: #888; }
+#overview .pat-broad { color: #2e7d32; }
+#overview .pat-content { color: #c0392b; font-weight: 600; }
+#overview-selected { margin: 2px 0 6px; font-size: 13px; min-height: 1.4em; }
 """
 
 JS = r"""
@@ -55,7 +75,7 @@ JS = r"""
     layer: DATA.default.layer, head: DATA.default.head, threshold: DATA.default.threshold,
     hover: null, pinned: null,   // {i, side: "q" | "k"}
     scale: Math.max(L, S) > 64 ? "sqrt" : "linear",
-    aside: "none",               // "special" | "first": keys set aside, rows renormalised
+    aside: DATA.default.aside || "none",  // "special" | "first": keys set aside, renormalised
   };
 
   // ---- data: base64 -> typed arrays, one layer at a time --------------------------------
@@ -76,6 +96,7 @@ JS = r"""
     if (cache.has(l)) return cache.get(l);
     const enc = DATA.layers[l], rowmax = f32(enc.rowmax), q = bytes(enc.w);
     const ix = DATA.encoding.kind === "topk" ? u16(enc.idx) : null;
+    const EX = DATA.encoding.exact, ex = enc.exact ? f32(enc.exact) : null;  // exact columns
     const levels = DATA.encoding.levels, heads = [];
     for (let h = 0; h < H; h++) {
       const m = new Float32Array(L * S);
@@ -89,6 +110,12 @@ JS = r"""
         for (let i = 0; i < L; i++) {
           const r = rowmax[h * L + i] / levels, base = (h * L + i) * k;
           for (let t = 0; t < k; t++) m[i * S + ix[base + t]] = q[base + t] * r;
+        }
+      }
+      if (ex) {
+        for (let i = 0; i < L; i++) {
+          const base = (h * L + i) * EX.length;
+          for (let c = 0; c < EX.length; c++) m[i * S + EX[c]] = ex[base + c];
         }
       }
       heads.push(m);
@@ -435,6 +462,7 @@ JS = r"""
   scaleSel.addEventListener("change", () => { state.scale = scaleSel.value; update(); });
   if (DATA.kind === "cross") aside.parentElement.style.display = "none";
   if (!SPECIAL.size) aside.querySelector("option[value='special']").remove();
+  aside.value = state.aside;
   aside.addEventListener("change", () => { state.aside = aside.value; update(); });
   thr.addEventListener("input", () => {
     state.threshold = +thr.value; thrOut.textContent = state.threshold.toFixed(2); update();
@@ -449,9 +477,95 @@ JS = r"""
     layerSel.value = String(state.layer); headSel.value = String(state.head); update();
   });
 
+  // ---- overview: every layer x head at a glance, each labelled with its pattern ----------
+  // Thumbnails come precomputed (averaged down to <= 32 x 32 cells, 8 bits relative to each
+  // thumbnail's largest cell), once per "set aside" choice; the labels are computed in Python
+  // from the full weights (attnlab.viz.head_patterns), never from the thumbnails.
+  const OV = DATA.overview, PAT = DATA.patterns;
+  const PAT_CLASSES = new Set(["prev", "next", "diag", "sink", "broad", "content"]);
+  const ovBox = document.getElementById("overview");
+  const THUMB = Math.max(30, Math.min(60, Math.floor(600 / H)));  // css px per thumbnail
+  ovBox.style.gridTemplateColumns = "auto repeat(" + H + ", " + (THUMB + 6) + "px)";
+  const thumbs = [], layerButtons = [];  // thumbs[layer][head] = {button, canvas}
+  function openHead(l, h) {
+    state.layer = l; state.head = h;
+    layerSel.value = String(l); headSel.value = String(h); update();
+  }
+  function node(tag, cls, text) {
+    const e = document.createElement(tag);
+    e.className = cls;
+    if (text !== undefined) e.textContent = text;
+    return e;
+  }
+  ovBox.appendChild(node("span", "ov-col"));
+  for (let h = 0; h < H; h++) ovBox.appendChild(node("span", "ov-col", "head " + h));
+  for (let l = 0; l < NL; l++) {
+    const name = node("button", "ov-layer", DATA.layer_names[l]);
+    name.dataset.layer = String(l);
+    name.title = "the mean of the heads of " + DATA.layer_names[l];
+    name.addEventListener("click", () => openHead(l, -1));
+    ovBox.appendChild(name); layerButtons.push(name);
+    const row = [];
+    for (let h = 0; h < H; h++) {
+      const b = node("button", "thumb");
+      b.dataset.layer = String(l); b.dataset.head = String(h);
+      const c = document.createElement("canvas");
+      c.width = OV.cols; c.height = OV.rows;
+      c.style.width = THUMB + "px";
+      c.style.height = Math.max(8, Math.round((THUMB * OV.rows) / OV.cols)) + "px";
+      b.appendChild(c);
+      const p = PAT ? PAT[l][h] : null;
+      if (p) {
+        b.appendChild(node("span", "pat" + (PAT_CLASSES.has(p.short) ? " pat-" + p.short : ""),
+          p.short));
+      }
+      b.title = DATA.layer_names[l] + " · head " + h +
+        (p ? ": " + p.label + " " + p.score.toFixed(2) : "");
+      b.addEventListener("click", () => openHead(l, h));
+      ovBox.appendChild(b); row.push({ button: b, canvas: c });
+    }
+    thumbs.push(row);
+  }
+  document.getElementById("overview-legend").textContent = PAT ?
+    "prev: the previous token · next: the next token · diag: itself · sink: the first or " +
+    "special tokens · broad: spread over most tokens · content: keys picked by what they are, " +
+    "not where. Labels come from the full weights, with nothing set aside." :
+    "Pattern labels describe self-attention; a translator's cross-attention has none.";
+  let ovDrawn = "";
+  function drawOverview() {
+    const key = state.aside + ":" + state.scale;
+    if (key !== ovDrawn) {  // repaint only when the colours change, not on hover
+      ovDrawn = key;
+      const set = OV.thumbs[state.aside] || OV.thumbs.none, sqrt = state.scale === "sqrt";
+      const n = OV.rows * OV.cols;
+      for (let l = 0; l < NL; l++) {
+        const q = bytes(set[l]);
+        for (let h = 0; h < H; h++) {
+          const cx = thumbs[l][h].canvas.getContext("2d");
+          const img = cx.createImageData(OV.cols, OV.rows);
+          for (let x = 0; x < n; x++) {
+            const t = q[h * n + x] / 255;
+            const c = LUT[Math.min(255, Math.round((sqrt ? Math.sqrt(t) : t) * 255))];
+            img.data[4 * x] = c[0]; img.data[4 * x + 1] = c[1]; img.data[4 * x + 2] = c[2];
+            img.data[4 * x + 3] = 255;
+          }
+          cx.putImageData(img, 0, 0);
+        }
+      }
+    }
+    thumbs.forEach((row, l) => row.forEach((t, h) =>
+      t.button.classList.toggle("selected", l === state.layer && h === state.head)));
+    layerButtons.forEach((b, l) =>
+      b.classList.toggle("selected", l === state.layer && state.head < 0));
+    const p = PAT && state.head >= 0 ? PAT[state.layer][state.head] : null;
+    document.getElementById("overview-selected").textContent = "Open: " +
+      DATA.layer_names[state.layer] + " · " + headName() +
+      (p ? " — " + p.label + " (" + p.score.toFixed(2) + ")" : "");
+  }
+
   function update() {
     const t0 = performance.now();
-    drawHeadView(); drawHeatmap(); drawMovement();
+    drawOverview(); drawHeadView(); drawHeatmap(); drawMovement();
     const f = focus(), info = [];
     if (f) info.push("focus: “" + (f.side === "q" ? QT : KT)[f.i] + "” (" + (f.side === "q" ?
       "what it attends to" : "what attends to it") + (state.pinned ? ", pinned" : "") + ")");
@@ -469,6 +583,9 @@ JS = r"""
     (DATA.text ? " · “" + DATA.text.slice(0, 120) + (DATA.text.length > 120 ? "…" : "") + "”" : "");
   document.getElementById("notes").textContent = "Weights are stored with 8 bits per weight, " +
     "relative to the largest weight of their row (error ≤ 0.2% of that weight)" +
+    (enc.exact.length ? "; the weights on the tokens that can be set aside (" +
+      enc.exact.map((j) => "“" + short(KT[j]) + "”").join(", ") + ") exactly, and the 8 bits " +
+      "relative to the rest of the row" : "") +
     (enc.kind === "topk" ? "; each row keeps only its " + enc.k + " strongest weights (" +
       Math.round(100 * enc.kept) + "% of the attention on average), the rest show as 0" : "") +
     ". Lines show weights ≥ the threshold (at most " + MAX_LINES + ", the strongest). " +
@@ -476,7 +593,7 @@ JS = r"""
   if (!DATA.movement) document.getElementById("movement-panel").style.display = "none";
 
   window.attnlabExplorer = {  // for tests and the curious: state, data and the heatmap layout
-    state: state, update: update, matrix: matrix, data: DATA,
+    state: state, update: update, matrix: matrix, data: DATA, openHead: openHead,
     heatmap: { left: M.left, top: M.top, cell: cell },
   };
   update();

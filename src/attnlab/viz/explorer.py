@@ -1,8 +1,11 @@
 """One self-contained HTML page to explore a :class:`~attnlab.viz.Trace` in any browser.
 
 The page needs no network and no server: its JavaScript, CSS and data are inline (no CDN, no
-external font, no ``src``/``href`` to anything). It shows, for the chosen layer and head (or the
-mean of the heads):
+external font, no ``src``/``href`` to anything). It opens on an **overview** of every layer x
+head: one thumbnail heatmap each, labelled with the head's pattern (previous-token, sink,
+diagonal, broad, content: :func:`attnlab.viz.head_patterns`, computed from the full weights);
+click one to open it below (click a layer's name for the mean of its heads). Then, for the
+chosen layer and head (or the mean of the heads):
 
 * a **head view**: query tokens on the left, key tokens on the right, a line for each weight
   (hover a left token: what it attends to; a right token: what attends to it; click pins it);
@@ -18,14 +21,21 @@ often a no-op that hides how the rest of the row is shared. The page says when i
 
 Storage (the file stays small, and long inputs stay responsive):
 
-* Weights are quantised to 8 bits **per row**: ``w ≈ q / 255 * rowmax`` with ``q`` in 0..255
-  and ``rowmax`` (float32) the row's largest weight, so the error of every weight is at most
-  ``rowmax / 510`` (0.2 % of the row's largest weight). Weights below ``rowmax / 510`` read as 0.
+* The keys the page can set aside (the special tokens and the first token: a few columns) are
+  stored exactly, as float32. Every other weight is quantised to 8 bits **per row**:
+  ``w ≈ q / 255 * rowmax`` with ``q`` in 0..255 and ``rowmax`` (float32) the largest of the
+  row's other weights, so the error of every weight is at most ``rowmax / 510`` (0.2 % of that
+  weight). Weights below ``rowmax / 510`` read as 0. Quantising relative to the other weights,
+  not to a sink's 0.9, is what keeps a row renormalised without the sink accurate.
 * When ``layers x H x L x S`` is over ``max_bytes``, each row keeps only its ``k`` strongest
-  weights (``k`` as large as the budget allows, at least 4); the page says so, and how much of
-  the attention they hold on average. The rest read as 0; they are the weakest of their row.
+  other weights (``k`` as large as the budget allows, at least 4) besides the exact columns; the
+  page says so, and how much of the attention they hold on average. The rest read as 0; they
+  are the weakest of their row.
 * Each layer's data is a separate base64 string, decoded only when that layer is shown.
 * Movement coordinates are 16-bit integers scaled to each layer's largest coordinate.
+* Overview thumbnails are each head's map averaged down to at most :data:`THUMB_CELLS` cells a
+  side (blocks of cells averaged), 8 bits relative to the thumbnail's largest cell, once for
+  each "set aside" choice (renormalised at full size, then averaged down).
 * At most ``maxLines`` (1500) lines are drawn at once, the strongest first; the heatmap is drawn
   at one canvas pixel per cell and scaled by the browser.
 
@@ -49,8 +59,10 @@ import numpy as np
 
 from attnlab._files import atomic_write_text
 
-from ._arrays import short
+from ._arrays import block_mean, short
 from ._explorer_assets import CSS, JS
+from .aside import aside_flags, set_aside
+from .patterns import HeadPattern, head_patterns
 from .projection import fit_pca
 from .trace import Trace, default_fit_on
 
@@ -59,6 +71,7 @@ __all__ = ["build_explorer", "write_explorer", "explorer_data", "quantize_rows"]
 LEVELS = 255  # 8-bit weights
 DEFAULT_MAX_BYTES = 3_000_000  # raw weight bytes (base64 adds a third)
 MIN_TOP_K = 4
+THUMB_CELLS = 32  # overview thumbnails: at most 32 x 32 cells (blocks of cells averaged)
 
 
 def _b64(arr: np.ndarray) -> str:
@@ -85,30 +98,45 @@ def quantize_rows(W: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, rowmax.astype("<f4")
 
 
-def _encode_layers(A: np.ndarray, max_bytes: int) -> tuple[dict[str, Any], list[dict[str, str]]]:
-    """Per-layer base64 payloads of ``A [layers, H, L, S]``: dense, or top-k per row."""
+def _encode_layers(
+    A: np.ndarray, max_bytes: int, exact: list[int]
+) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    """Per-layer base64 payloads of ``A [layers, H, L, S]``: the ``exact`` key columns as
+    float32, the others dense or top-k per row, 8 bits relative to their row's largest."""
     n_layers, H, L, S = A.shape
+    rest = np.setdiff1d(np.arange(S), exact)  # the quantised columns
+    meta: dict[str, Any] = {"levels": LEVELS, "exact": list(exact)}
     dense_bytes = n_layers * H * L * S
-    if dense_bytes <= max_bytes or S <= MIN_TOP_K:
-        meta: dict[str, Any] = {"kind": "dense", "levels": LEVELS}
+    if dense_bytes <= max_bytes or rest.size <= MIN_TOP_K:
+        meta["kind"] = "dense"
         layers = []
         for layer in A:
-            q, rowmax = quantize_rows(layer)
-            layers.append({"w": _b64(q), "rowmax": _b64(rowmax)})
+            q, rowmax = quantize_rows(layer[..., rest])  # [H, L, S - exact]
+            full = np.zeros((H, L, S), np.uint8)
+            full[..., rest] = q  # the exact columns' bytes stay 0
+            entry = {"w": _b64(full), "rowmax": _b64(rowmax)}
+            if exact:
+                entry["exact"] = _b64(layer[..., exact].astype("<f4"))  # [H, L, exact]
+            layers.append(entry)
         return meta, layers
     per_k = n_layers * H * L * 3  # 2 bytes of index + 1 byte of weight per kept entry
-    k = int(min(S, max(MIN_TOP_K, max_bytes // per_k)))
-    meta = {"kind": "topk", "k": k, "levels": LEVELS}
+    k = int(min(rest.size, max(MIN_TOP_K, max_bytes // per_k)))
+    meta |= {"kind": "topk", "k": k}
     layers, kept_mass = [], []
     for layer in A:  # [H, L, S]
-        # the k largest of each row (argpartition is deterministic for the same input)
-        order = np.sort(np.argpartition(-layer, k - 1, axis=-1)[..., :k], axis=-1)  # [H, L, k]
-        kept = np.take_along_axis(layer, order, axis=-1)  # holds each row's maximum
+        others = layer[..., rest]
+        # the k largest of each row's other weights (argpartition is deterministic)
+        pick = np.sort(np.argpartition(-others, k - 1, axis=-1)[..., :k], axis=-1)  # [H, L, k]
+        kept = np.take_along_axis(others, pick, axis=-1)
         q, rowmax = quantize_rows(kept)
-        layers.append({"w": _b64(q), "idx": _b64(order.astype("<u2")), "rowmax": _b64(rowmax)})
+        entry = {"w": _b64(q), "idx": _b64(rest[pick].astype("<u2")), "rowmax": _b64(rowmax)}
+        if exact:
+            entry["exact"] = _b64(layer[..., exact].astype("<f4"))
+        layers.append(entry)
         totals = layer.sum(-1)
+        held = kept.sum(-1) + layer[..., exact].sum(-1)
         live = totals > 0  # fully masked rows hold nothing to keep
-        kept_mass.append(kept.sum(-1)[live] / totals[live] if live.any() else np.ones(1))
+        kept_mass.append(held[live] / totals[live] if live.any() else np.ones(1))
     # the share of each row's attention that the kept weights hold, on average
     meta["kept"] = round(float(np.concatenate([m.ravel() for m in kept_mass]).mean()), 3)
     return meta, layers
@@ -139,6 +167,39 @@ def _movement(trace: Trace) -> list[dict[str, Any]] | None:
     return out
 
 
+def _asides(trace: Trace) -> dict[str, np.ndarray | None]:
+    """The "set aside" choices the page offers for ``trace``, with their key flags."""
+    choices: dict[str, np.ndarray | None] = {"none": None}
+    if trace.kind != "self":
+        return choices
+    if any(trace.special):
+        choices["special"] = aside_flags(trace, "special")
+    choices["first"] = aside_flags(trace, "first")
+    return choices
+
+
+def _thumbnails(trace: Trace, asides: dict[str, np.ndarray | None]) -> dict[str, Any]:
+    """Per "set aside" choice, per layer: ``[H, rows, cols]`` uint8 thumbnails, base64."""
+    n_layers, H, L, S = trace.attentions.shape
+    thumbs: dict[str, list[str]] = {name: [] for name in asides}
+    for layer in trace.attentions:  # [H, L, S]
+        for name, flags in asides.items():
+            shown = layer if flags is None else set_aside(layer, flags)
+            small = block_mean(shown, THUMB_CELLS, THUMB_CELLS)  # [H, <= 32, <= 32]
+            top = small.max(axis=(-2, -1), keepdims=True)  # each thumbnail to its own maximum
+            scale = np.where(top > 0, LEVELS / np.where(top > 0, top, 1.0), 0.0)
+            q = np.floor(small * scale + 0.5).clip(0, LEVELS).astype(np.uint8)
+            thumbs[name].append(_b64(q))
+    return {"rows": min(L, THUMB_CELLS), "cols": min(S, THUMB_CELLS), "thumbs": thumbs}
+
+
+def _labels(patterns: list[list[HeadPattern]]) -> list[list[dict[str, Any]]]:
+    return [
+        [{"label": p.label, "short": p.short, "score": round(p.score, 3)} for p in heads]
+        for heads in patterns
+    ]
+
+
 def explorer_data(
     trace: Trace,
     *,
@@ -146,12 +207,32 @@ def explorer_data(
     head: int | None = None,
     focus: int | str | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    aside: str | None = None,
+    patterns: list[list[HeadPattern]] | None = None,
 ) -> dict[str, Any]:
-    """Everything the page draws, as a JSON-ready dict (see the module docstring for formats)."""
+    """Everything the page draws, as a JSON-ready dict (see the module docstring for formats).
+
+    ``aside`` (``"special"``, ``"first"`` or None) is what the page sets aside when it opens;
+    ``patterns`` are the head labels (default: :func:`attnlab.viz.head_patterns` of the trace,
+    for self-attention; a translator's cross-attention gets no labels).
+    """
     layer = trace.num_layers - 1 if layer is None else trace.check_layer(layer)
     head = trace.check_head(head)
     f = trace.find_focus(focus)
-    meta, layers = _encode_layers(trace.attentions, max_bytes)
+    if aside is not None:
+        aside_flags(trace, aside)  # checks it: a clear error rather than a page that ignores it
+    asides = _asides(trace)
+    if patterns is None and trace.kind == "self":
+        patterns = head_patterns(trace.attentions, trace.special)
+    if patterns is not None and [len(h) for h in patterns] != [trace.num_heads] * trace.num_layers:
+        raise ValueError(
+            f"patterns must be [layer][head] for {trace.num_layers} layers x {trace.num_heads} "
+            "heads. Fix: pass head_patterns(trace.attentions, trace.special)"
+        )
+    exact: list[int] = []  # the keys the page can set aside: stored exactly
+    if trace.kind == "self":
+        exact = sorted({0} | {i for i, a in enumerate(trace.special) if a})
+    meta, layers = _encode_layers(trace.attentions, max_bytes, exact)
     movement = _movement(trace)
     return {
         "format": 1,
@@ -168,11 +249,14 @@ def explorer_data(
         "layers": layers,
         "movement": movement,
         "head_writes": trace.has_head_writes,
+        "overview": _thumbnails(trace, asides),
+        "patterns": None if patterns is None else _labels(patterns),
         "default": {
             "layer": layer,
             "head": -1 if head is None else head,
             "focus": f,
             "threshold": 0.1,
+            "aside": aside or "none",
         },
     }
 
@@ -183,8 +267,9 @@ def build_explorer(trace: Trace, *, title: str | None = None, **kwargs: Any) -> 
     Args:
         trace: what to show.
         title: the page title (default: the model and the text).
-        **kwargs: ``layer``, ``head``, ``focus`` (what is shown first) and ``max_bytes`` (the
-            weight budget), passed to :func:`explorer_data`.
+        **kwargs: ``layer``, ``head``, ``focus``, ``aside`` (what is shown first),
+            ``max_bytes`` (the weight budget) and ``patterns`` (the head labels), passed to
+            :func:`explorer_data`.
 
     Returns:
         The page. The same trace gives the same string.
@@ -232,6 +317,15 @@ that hides the rest; this sets it aside and renormalises each row over the other
   <p id="info"></p>
 </header>
 <main>
+  <section class="panel" id="overview-panel">
+    <h2>Every layer &times; head</h2>
+    <p class="hint">Each head's weights as a thumbnail (rows: queries, columns: keys), labelled
+      with the kind of head its weights show. Click one to open it; click a layer's name for
+      the mean of its heads.</p>
+    <p id="overview-selected"></p>
+    <div id="overview"></div>
+    <p class="hint" id="overview-legend"></p>
+  </section>
   <section class="panel" id="headview-panel">
     <h2>Who attends to whom</h2>
     <p class="hint">Hover a token on the left: what it attends to (blue). On the right: what
