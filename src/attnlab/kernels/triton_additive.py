@@ -75,6 +75,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from attnlab.kernels import _triton
 
@@ -93,14 +94,23 @@ class Blocks:
     warps: int
 
 
-# CUDA: a first choice by the designs above, to be confirmed on an H100 with
-# ``bench_gpu_additive.py --sweep``. The interpreter: the smallest tiles, so that small test
-# shapes still span several tiles in both directions.
-BLOCKS = {"cuda": Blocks(64, 64, 4), "interpreter": Blocks(16, 16, 1)}
+# CUDA: first choices by the designs above, to be confirmed on an H100 with
+# ``bench_gpu_additive.py --sweep``. Wide values (Dv > WIDE_VALUE) keep more in registers (the
+# output tile (rows, Dv), and in the backward V, dV (keys, Dv) and dO (rows, Dv)): fewer keys per
+# tile and more warps. The interpreter: the smallest tiles, so that small test shapes still span
+# several tiles in both directions.
+WIDE_VALUE = 64
+BLOCKS = {
+    "cuda": Blocks(64, 64, 4),
+    "cuda, wide values": Blocks(64, 32, 8),
+    "interpreter": Blocks(16, 16, 1),
+}
 
 
-def blocks_for(device: torch.device) -> Blocks:
-    return BLOCKS["interpreter"] if device.type == "cpu" else BLOCKS["cuda"]
+def blocks_for(device: torch.device, value_dim: int) -> Blocks:
+    if device.type == "cpu":
+        return BLOCKS["interpreter"]
+    return BLOCKS["cuda, wide values"] if value_dim > WIDE_VALUE else BLOCKS["cuda"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,6 +336,7 @@ class _AdditiveAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         at, bt, w, value, m, out, lse = ctx.saved_tensors
         N, A, L = at.shape
@@ -366,11 +377,11 @@ def additive_attention(
         mask: None, bool (True = may attend) or a float bias without gradient, of shape
             (N, L, S) -- an expanded view is read in place through its (zero) strides.
         alignment: None, "top_left" or "bottom_right" causal (see :mod:`attnlab.masks`).
-        blocks: tile sizes; :func:`blocks_for` the device by default.
+        blocks: tile sizes; :func:`blocks_for` the device and Dv by default.
 
     Differentiable in ``a``, ``b``, ``w`` and ``value``. Call :func:`supports` first.
     """
-    blocks = blocks or blocks_for(a.device)
+    blocks = blocks or blocks_for(a.device, value.shape[-1])
     return _AdditiveAttention.apply(
         a.contiguous(), b.contiguous(), w, value.contiguous(), mask, alignment, blocks
     )
@@ -402,11 +413,11 @@ def supports(query, key, value, attn_mask) -> str | None:
 
 def describe(query, key, value, w_score) -> str:
     """The kernel and its tiling in one line (for ``explain_additive()``)."""
-    blk = blocks_for(query.device)
+    blk = blocks_for(query.device, value.shape[-1])
     return (
-        f"fused additive kernel, {_triton.where()}: tiles of {blk.rows} query rows x "
-        f"{blk.keys} keys, online softmax over A={w_score.shape[0]} tanh per score; saves the "
-        "row log-sum-exp, never the (..., L, S, A) tanh nor the scores (the backward recomputes)"
+        f"fused additive kernel, {_triton.where()}: tiles of {blk.rows} query rows x {blk.keys} "
+        f"keys, A={w_score.shape[0]} tanh per score, online softmax; saves the row log-sum-exp, "
+        "never the (..., L, S, A) tanh nor the scores; the backward recomputes them"
     )
 
 
