@@ -44,7 +44,10 @@ DTYPES = (torch.float32, torch.bfloat16)
 SFU_PER_CLOCK_PER_SM = 16
 ASSUMED_CLOCK_HZ = 1.98e9  # H100 SXM boost clock; sustained clocks under load can be lower
 SFU_OPS_PER_TANH = 2  # the kernel's tanh: one exp2 and one reciprocal
-SWEEP = [(r, k, w) for r in (32, 64, 128) for k in (32, 64, 128) for w in (4, 8)]
+# Tiles to sweep: rows x keys x warps. The backward reduces each tanh plane along both axes once
+# per column of A, so fewer warps (reductions within a warp) may pay there even where the forward
+# wants more: the sweep prints both, and BLOCKS could be split by direction if they disagree.
+SWEEP = [(r, k, w) for r in (32, 64, 128) for k in (16, 32, 64) for w in (2, 4, 8)]
 
 
 def make_inputs(shape: dict, device: str, dtype: torch.dtype, seed: int = 0) -> list:
@@ -168,7 +171,7 @@ def bench_dtype(args, shape: dict, dtype: torch.dtype, limit: float) -> None:
 
 
 def sweep(args, shape: dict, dtype: torch.dtype, limit: float) -> None:
-    """Forward+backward time of the kernel alone for each tile configuration."""
+    """Forward and forward+backward time of the kernel alone for each tile configuration."""
     from attnlab.kernels import triton_additive as K
 
     B, L, S, D, A = (shape[n] for n in "BLSDA")
@@ -178,24 +181,29 @@ def sweep(args, shape: dict, dtype: torch.dtype, limit: float) -> None:
     v = torch.randn(B, S, D, device=args.device, generator=g).to(dtype)
     leaves = [t.requires_grad_() for t in (a, b, w, v)]
     grad = torch.randn(B, L, D, device=args.device, dtype=dtype)
-    print(f"\n-- sweep ({str(dtype).removeprefix('torch.')}): rows x keys x warps, fwd+bwd")
-    current = K.blocks_for(torch.device(args.device))
+    print(f"\n-- sweep ({str(dtype).removeprefix('torch.')}): rows x keys x warps")
+    current = K.blocks_for(torch.device(args.device), D)
+    tanh = B * L * S * A
     for rows, keys, warps in SWEEP:
         blocks = K.Blocks(rows, keys, warps)
 
-        def step(blocks=blocks):
-            out = K.additive_attention(*leaves, blocks=blocks)
-            torch.autograd.grad(out, leaves, grad)
+        def fwd(blocks=blocks):
+            with torch.no_grad():
+                K.additive_attention(*leaves, blocks=blocks)
+
+        def fwd_bwd(blocks=blocks):
+            torch.autograd.grad(K.additive_attention(*leaves, blocks=blocks), leaves, grad)
 
         try:
-            t = round_robin({"k": step}, args.device, args.rounds)["k"]
+            t = round_robin({"fwd": fwd, "both": fwd_bwd}, args.device, args.rounds)
         except Exception as e:  # a configuration that does not compile or fit: say so, go on
             print(f"  {rows:>3} x {keys:>3} x {warps}: failed ({type(e).__name__}: {e})"[:160])
             continue
         mark = "  <- BLOCKS now" if blocks == current else ""
         print(
-            f"  {rows:>3} x {keys:>3} x {warps}: {t * 1e3:8.3f} ms, "
-            f"{3 * B * L * S * A / t / limit:.0%} of the SFU limit{mark}"
+            f"  {rows:>3} x {keys:>3} x {warps}: forward {t['fwd'] * 1e3:8.3f} ms "
+            f"({tanh / t['fwd'] / limit:4.0%} of the SFU limit), forward+backward "
+            f"{t['both'] * 1e3:8.3f} ms ({3 * tanh / t['both'] / limit:4.0%}){mark}"
         )
 
 
