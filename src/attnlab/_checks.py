@@ -32,6 +32,20 @@ def check_floating(name: str, tensor: torch.Tensor) -> None:
         )
 
 
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors as torch's autocast gives them to its own attention: under an enabled
+    ``torch.autocast`` for their device, float32 tensors are cast to the autocast dtype (so a
+    bf16 projection meets a float32 RNN state as torch SDPA would take them); otherwise as is.
+    """
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return tensors  # (the checks that follow name what is wrong)
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    low = torch.get_autocast_dtype(device)
+    return tuple(t.to(low) if t.dtype == torch.float32 else t for t in tensors)
+
+
 def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     """Check the (B, H, L, E) / (B, Hkv, S, E) / (B, Hkv, S, Ev) contract of attention inputs.
 

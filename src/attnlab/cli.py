@@ -75,6 +75,11 @@ def positive_int(text: str) -> int:
     return value
 
 
+def tokens_or_auto(text: str) -> int | str:
+    """``auto`` (measured on the device) or an integer >= 1."""
+    return "auto" if text == "auto" else positive_int(text)
+
+
 def non_negative_int(text: str) -> int:
     """An integer >= 0 (warm-up steps, seeds)."""
     value = _parse_number(text, int)

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from attnlab import kernels
 from attnlab._checks import (
+    autocast_inputs,
     causal_alignment,
     check_bias_range,
     check_dropout,
@@ -275,6 +276,7 @@ def scaled_dot_product_attention(
         >>> out.shape, w.shape
         (torch.Size([2, 8, 5, 32]), torch.Size([2, 8, 5, 7]))
     """
+    query, key, value = autocast_inputs(query, key, value)
     check_qkv(query, key, value)
     check_dropout(dropout_p)
     check_scale(scale)

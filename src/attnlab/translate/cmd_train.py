@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         positive_float,
         positive_int,
         seed_int,
+        tokens_or_auto,
     )
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -162,9 +163,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=non_negative_int, default=None, help="warm-up steps")
     g.add_argument(
         "--max-tokens",
-        type=positive_int,
+        type=tokens_or_auto,
         default=None,
-        help="tokens per batch (padding included)",
+        metavar="N|auto",
+        help="tokens per batch (padding included); auto: sized from the GPU's free memory by "
+        "a probe step (the default on CUDA; on CPU auto is the model's default)",
+    )
+    g.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16"],
+        default=None,
+        help="bf16: forward and loss under bfloat16 autocast (weights and optimizer stay "
+        "float32); auto (default): bf16 on a CUDA GPU that supports it, fp32 elsewhere",
     )
     g.add_argument(
         "--max-len",
@@ -269,6 +279,7 @@ def options_from_args(args: argparse.Namespace) -> dict:
         "lr",
         "warmup",
         "max_tokens",
+        "precision",
         "max_len",
         "seed",
         "beam_size",
@@ -459,6 +470,8 @@ def main(args: argparse.Namespace) -> int:
         ):
             started = time.monotonic()  # the saved training share already excludes set-up
     else:
+        if device.startswith("cuda") and args.max_tokens is None:
+            args.max_tokens = "auto"  # the CPU default would keep a large GPU idle
         opts = resolve(options_from_args(args))
         config = build_config(opts)  # every setting checked, the model built on no memory
         task = load_task(config["task"])  # bad data fails here, before a run dir is made

@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 
 from attnlab.translate import checkpoint as ckpt
+from attnlab.translate import gpu
 from attnlab.translate.models import build_model, count_parameters, model_config
 from attnlab.translate.settings import MODEL_DEFAULTS, PRESETS, TASK_DEFAULTS
 from attnlab.translate.tasks import DATA_FILE, run_task, task_spec
 from attnlab.translate.tokenizer import Tokenizer
-from attnlab.translate.trainer import TrainOptions, fit, init_distributed
+from attnlab.translate.trainer import TrainOptions, fit, init_distributed, probe_step
 
 MODEL_OPTIONS = (
     "emb_dim",
@@ -39,6 +40,7 @@ TRAIN_OPTIONS = (
     "lr",
     "warmup",
     "max_tokens",
+    "precision",
     "label_smoothing",
     "max_len",
     "seed",
@@ -161,6 +163,7 @@ OPTION_OF = {
     "dropout": "--dropout",
     "lr": "--lr",
     "max_tokens": "--max-tokens",
+    "precision": "--precision",
     "max_len": "--max-len",
     "max_steps": "--max-steps",
     "epochs": "--epochs",
@@ -203,6 +206,8 @@ def check_config(config: dict) -> None:
         )
     for key, value in config["train"].items():
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if (key, value) == ("max_tokens", "auto") or key == "precision":
+            continue  # decided on the device when training starts (translate/gpu.py)
         if key in ("seed", "warmup"):
             ok, want = isinstance(value, int) and number and value >= 0, "an integer >= 0"
         elif key in ("label_smoothing", "weight_decay", "clip"):
@@ -377,19 +382,38 @@ def train_run(
 
     from attnlab.translate.batching import encode_pairs
 
-    opts = TrainOptions.from_dict(config["train"])
-    train_data, dropped = encode_pairs(tokenizer, task.train, opts.max_len)
-    val_data, _ = encode_pairs(tokenizer, task.validation, opts.max_len)
+    train_cfg = config["train"]
+    # every setting checked now; "auto" batches and precision are decided below, on the device
+    early = TrainOptions.from_dict(
+        {k: v for k, v in train_cfg.items() if v != "auto" and k != "precision"}
+    )
+    train_data, dropped = encode_pairs(tokenizer, task.train, early.max_len)
+    val_data, _ = encode_pairs(tokenizer, task.validation, early.max_len)
     if dropped and dist.main:
-        log(f"note: {dropped} training pair(s) longer than {opts.max_len} tokens left out")
-    torch.manual_seed(opts.seed)
+        log(f"note: {dropped} training pair(s) longer than {early.max_len} tokens left out")
+    torch.manual_seed(early.seed)
     model = build_model(config["model"], tokenizer.vocab_size).to(device)
+    precision = gpu.resolve_precision(train_cfg.get("precision"), device)
+    auto = train_cfg.get("max_tokens") == "auto"
+    if auto or train_cfg.get("precision") != precision:
+        # decided once, on this device, and saved: a resumed run keeps the same batches
+        train_cfg["precision"] = precision
+        if auto:
+            base = MODEL_DEFAULTS[config["model"]["kind"]]["max_tokens"]
+            probe = lambda: probe_step(model, train_data, device, base, precision)  # noqa: E731
+            train_cfg["max_tokens"], how = gpu.auto_max_tokens(probe, base, device, base)
+            if dist.main:
+                log(f"batches: --max-tokens auto -> {how}")
+        if dist.main:
+            ckpt.atomic_write_json(run_dir / ckpt.CONFIG, config)
+    opts = TrainOptions.from_dict(train_cfg)
     if dist.main:
         m = config["model"]
         log(
             f"model: {m['kind']} with {m['attention']} attention, "
             f"{count_parameters(model):,} parameters; device {device}, {threads} thread(s)"
             + (f", {dist.world} processes" if dist.active else "")
+            + (", bf16 autocast" if opts.precision == "bf16" else "")
         )
     budget = config.get("time_budget_minutes")
     if budget:

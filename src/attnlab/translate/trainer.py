@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from attnlab._files import kill_point
 from attnlab.translate import checkpoint as ckpt
+from attnlab.translate import gpu
 from attnlab.translate.batching import Encoded, collate, epoch_batches, shard
 from attnlab.translate.tokenizer import PAD
 
@@ -71,6 +72,7 @@ class TrainOptions:
     eval_every: float = 0.2  # validation loss every this fraction of progress
     val_pairs: int = 300  # validation pairs used for that (the first ones)
     checkpoint_seconds: float = 120.0  # seconds of training between checkpoints
+    precision: str = "fp32"  # "bf16": forward and loss under torch.autocast (translate/gpu.py)
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainOptions:
@@ -86,6 +88,10 @@ class TrainOptions:
 def check_option(key: str, value, annotation: str) -> None:
     """A training setting read from a file must have its field's type; numbers are >= 0."""
     if value is None and "None" in annotation:
+        return
+    if annotation == "str":
+        if value not in ("fp32", "bf16"):
+            raise ValueError(f"training setting {key!r} must be 'fp32' or 'bf16', got {value!r}")
         return
     wanted = "an integer" if annotation.startswith("int") else "a number"
     ok = ckpt.is_int(value) if annotation.startswith("int") else ckpt.is_number(value)
@@ -196,6 +202,19 @@ def token_loss(logits, target, label_smoothing: float = 0.0) -> torch.Tensor:
 
 
 @torch.no_grad()
+def probe_step(model, data: Encoded, device, max_tokens: int, precision: str) -> int:
+    """One forward+backward of the first batch of ``max_tokens`` (for sizing batches from
+    the memory it takes); gradients dropped, random state untouched. Returns its tokens."""
+    batch = next(iter(epoch_batches(data, seed=0, epoch=0, max_tokens=max_tokens)))
+    b = collate(data, batch).to(device)
+    with torch.random.fork_rng(devices=[torch.device(device)] if "cuda" in str(device) else []):
+        with gpu.autocast(device, precision):
+            loss = token_loss(model(b.src, b.src_lengths, b.tgt_in), b.tgt_out)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return int(b.src.numel() + b.tgt_in.numel())
+
+
 def validation_loss(model, data: Encoded, device, max_tokens: int = 8192) -> float:
     """Mean token cross-entropy (nats, no label smoothing) over ``data``."""
     if len(data) == 0:
@@ -402,8 +421,9 @@ def fit(
                 full = batches[state.position]
                 n_tokens = sum(len(train_data.tgt[i]) + 1 for i in full)  # whole batch
                 b = collate(train_data, shard(full, dist.rank, dist.world)).to(device)
-                logits = net(b.src, b.src_lengths, b.tgt_in)
-                loss_sum = token_loss(logits, b.tgt_out, opts.label_smoothing)
+                with gpu.autocast(device, opts.precision):
+                    logits = net(b.src, b.src_lengths, b.tgt_in)
+                    loss_sum = token_loss(logits, b.tgt_out, opts.label_smoothing)
                 (loss_sum * (dist.world / n_tokens)).backward()
                 if opts.clip:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), opts.clip)
