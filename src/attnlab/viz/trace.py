@@ -57,6 +57,7 @@ OUT_PROJECTIONS = (
     "attention.output.dense",  # BERT
     "attn.o_proj",
     "self_attn.out_proj",
+    "attention.out_lin",  # DistilBERT
 )
 
 
@@ -324,12 +325,25 @@ def display_tokens(tokenizer: Any, ids: Sequence[int]) -> list[str]:
 
 def max_tokens_of(model: Any, tokenizer: Any) -> int:
     """The longest input the model reads: its position table, or the tokenizer's limit."""
+    return _token_limit(model, tokenizer)[0]
+
+
+def _token_limit(model: Any, tokenizer: Any) -> tuple[int, str]:
+    """``(limit, where it comes from)``: the smaller of the position table and the tokenizer's
+    ``model_max_length`` (tokenizers with no limit say 1e30: ignored)."""
     limits = [
-        getattr(model.config, "max_position_embeddings", None),
-        getattr(tokenizer, "model_max_length", None),
+        (getattr(model.config, "max_position_embeddings", None), "max_position_embeddings"),
+        (getattr(tokenizer, "model_max_length", None), "the tokenizer's model_max_length"),
     ]
-    limits = [int(n) for n in limits if isinstance(n, int | float) and 0 < n < 10**7]
-    return min(limits) if limits else 10**7
+    known = [(int(n), why) for n, why in limits if isinstance(n, int | float) and 0 < n < 10**7]
+    return min(known) if known else (10**7, "no limit")
+
+
+MAX_WEIGHT_BYTES = 1 << 30
+"""The most memory the attention weights of one traced text may take: 1 GiB of float32, i.e.
+``layers x H x L x L x 4`` bytes (SmolLM2, 30 layers x 9 heads: 997 tokens; MiniLM's 512 tokens
+take 75 MB). Weights grow with the square of the length; while the model runs they exist twice
+(its outputs and the trace's copy)."""
 
 
 def _out_projections(model: Any) -> list[Any]:
@@ -350,6 +364,8 @@ def trace_model(
     *,
     name: str | None = None,
     max_tokens: int | None = None,
+    truncate: bool = False,
+    max_weight_bytes: int = MAX_WEIGHT_BYTES,
 ) -> Trace:
     """Run a Hugging Face model on ``text`` once and record what the pictures need.
 
@@ -363,6 +379,10 @@ def trace_model(
         text: the input; special tokens are added as the tokenizer does by default.
         name: the model's name for titles (default: its ``model_type``).
         max_tokens: refuse longer inputs (the model's own limit always applies).
+        truncate: keep the first tokens that fit (the model's limit and ``max_tokens``) instead
+            of refusing a longer text; the tokenizer keeps its closing special token.
+        max_weight_bytes: refuse texts whose weights (``layers x H x L x L`` float32) would
+            take more memory than this (:data:`MAX_WEIGHT_BYTES`).
 
     Returns:
         A :class:`Trace` with attentions, hidden states and, for BERT- and Llama-like models,
@@ -372,6 +392,8 @@ def trace_model(
         ValueError: empty text, text longer than the limit, or a model that returns no
             attention weights.
     """
+    import inspect
+
     import torch
 
     if not isinstance(text, str) or not text.strip():
@@ -381,6 +403,8 @@ def trace_model(
         )
     name = name or getattr(model.config, "model_type", type(model).__name__)
     fast = bool(getattr(tokenizer, "is_fast", False))
+    limit, why = _token_limit(model, tokenizer)
+    keep = limit if max_tokens is None else min(limit, max_tokens)
     # verbose=False: a text over the model's limit gets attnlab's error below, not a warning
     enc = tokenizer(
         text,
@@ -388,20 +412,40 @@ def trace_model(
         return_offsets_mapping=fast,
         return_special_tokens_mask=True,
         verbose=False,
+        **({"truncation": True, "max_length": keep} if truncate else {}),
     )
     offsets = enc.pop("offset_mapping")[0].tolist() if fast else None
     special_mask = enc.pop("special_tokens_mask")[0].tolist()
     ids = enc["input_ids"][0].tolist()
-    limit = max_tokens_of(model, tokenizer)
     if len(ids) > limit:
         raise ValueError(
-            f"the text is {len(ids)} tokens long but {name} reads at most {limit}; shorten the text"
+            f"the text is {len(ids)} tokens long but {name} reads at most {limit} ({why}); "
+            f"shorten the text, or pass truncate=True (--truncate) to show its first {limit} tokens"
         )
     if max_tokens is not None and len(ids) > max_tokens:
         raise ValueError(
             f"the text is {len(ids)} tokens long, over the limit of {max_tokens} "
-            "(max_tokens, --max-tokens); shorten the text or raise the limit"
+            "(max_tokens, --max-tokens); shorten the text, raise the limit, or pass "
+            "truncate=True (--truncate)"
         )
+    layers = getattr(model.config, "num_hidden_layers", None)
+    heads = getattr(model.config, "num_attention_heads", None)
+    if isinstance(layers, int) and isinstance(heads, int):
+        need = layers * heads * len(ids) ** 2 * 4
+        if need > max_weight_bytes:
+            fits = math.isqrt(max_weight_bytes // (layers * heads * 4))
+            raise ValueError(
+                f"the text is {len(ids)} tokens long: its attention weights ({layers} layers x "
+                f"{heads} heads x {len(ids)} x {len(ids)} float32) would take "
+                f"{need / 2**30:.1f} GiB, over the {max_weight_bytes / 2**30:.1f} GiB allowed "
+                f"(max_weight_bytes); fix: shorten the text to {fits} tokens, or pass "
+                f"--max-tokens {fits} --truncate"
+            )
+    if (
+        "token_type_ids" in enc
+        and "token_type_ids" not in inspect.signature(model.forward).parameters
+    ):
+        del enc["token_type_ids"]  # decoders take no segment ids
 
     projections = _out_projections(model)
     captured: list[Any] = []
@@ -423,7 +467,9 @@ def trace_model(
             "attn_implementation='attnlab' (or 'eager'), e.g. "
             "attnlab.pretrained.load_model(name, attn_implementation='attnlab')"
         )
-    A = torch.stack([a[0].float() for a in attentions]).cpu().numpy()  # [layers, H, L, S]
+    A = np.empty((len(attentions), *attentions[0].shape[1:]), np.float32)  # [layers, H, L, S]
+    for layer, a in enumerate(attentions):  # one layer at a time: no third copy of all weights
+        A[layer] = a[0].float().cpu().numpy()
     states = getattr(out, "hidden_states", None)
     hidden = torch.stack([h[0].float() for h in states]).cpu().numpy() if states else None
 
