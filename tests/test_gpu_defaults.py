@@ -69,8 +69,9 @@ def test_train_with_auto_batches_and_bf16_on_cpu(tmp_path, capsys):
 
     assert config["train"]["max_tokens"] == MODEL_DEFAULTS[config["model"]["kind"]]["max_tokens"]
     assert config["train"]["precision"] == "bf16"
-    err = capsys.readouterr().err
-    assert "--max-tokens auto ->" in err and "bf16 autocast" in err
+    printed = capsys.readouterr()
+    assert "--max-tokens auto ->" in printed.err and "bf16 autocast" in printed.err
+    assert "target tokens/s" in printed.out  # the report says how fast it trained
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-tokens", "lots"])
 

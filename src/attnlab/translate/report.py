@@ -165,6 +165,11 @@ def print_report(results: dict) -> None:
         f"{results['parameters']:,} parameters, trained {tr['steps']} steps "
         f"({tr['epochs']} epochs) in {tr['seconds']:.0f} s"
         + (f" ({tr['cpu_seconds']:.0f} s of CPU)" if tr.get("cpu_seconds") else "")
+        + (
+            f", {tr['tokens'] / tr['seconds']:,.0f} target tokens/s"
+            if tr.get("tokens") and tr.get("seconds")
+            else ""
+        )
         + f", validation loss {tr['val_loss']}"
     )
     heading = "Attention as word alignment (vs the reference links of the test split):"
