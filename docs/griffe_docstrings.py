@@ -7,7 +7,8 @@ The source keeps its reST habits; only the rendered reference changes:
 * ``.. math:: ...`` (with its continuation lines) becomes a ``$$ ... $$`` display and
   ``:math:`x``` inline math, for MathJax;
 * roles such as ``:func:`name``` become code (`` `name` ``);
-* a literal block introduced by ``::`` keeps its indentation and loses one colon;
+* a literal block introduced by ``::`` keeps its indentation (a code block in Markdown) and
+  loses one colon, or the whole ``::`` when it stands alone;
 * a reST simple table (``=====  =====`` borders) is shown as preformatted text.
 """
 
@@ -71,7 +72,10 @@ def to_markdown(text: str) -> str:
     text = INLINE_MATH.sub(r"$\1$", text)
     text = ROLE.sub(r"`\1`", text)
     lines = _simple_tables(_display_math(text.splitlines()))
-    lines = [line[:-1] if line.endswith("::") else line for line in lines]
+    # "text::" introduces a literal block: keep "text:"; a "::" alone on its line goes
+    lines = [
+        "" if line.strip() == "::" else line[:-1] if line.endswith("::") else line for line in lines
+    ]
     return "\n".join(lines)
 
 
