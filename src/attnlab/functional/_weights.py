@@ -54,6 +54,9 @@ class _Blocks:
         Hkv, S = k.shape[1], k.shape[2]
         self.shape = (B, H, L, S)
         self.heads, self.rows = block_shape(H, L, S, q.element_size(), nbytes)
+        G = H // Hkv
+        if self.heads >= G:  # whole kv groups per block (see fold)
+            self.heads -= self.heads % G
         self.kv_head = torch.arange(H, device=q.device) // (H // Hkv)  # head h reads h // G
         self.mask = None if mask is None else mask.expand(B, H, L, S)  # a view, not a copy
         self.causal = None if alignment is None else causal_keep(L, S, alignment, q.device)
@@ -67,6 +70,18 @@ class _Blocks:
                 h1 = min(H, h0 + self.heads)
                 for r0 in range(0, L, self.rows):
                     yield b, slice(h0, h1), slice(r0, min(L, r0 + self.rows)), self.kv_head[h0:h1]
+
+    def fold(self, hs: slice, rs: slice) -> int | None:
+        """How many kv heads a block spans when its query heads can fold into rows -- whole
+        kv groups, all rows, nothing to mask row by row -- else None. Folded, a block is
+        ``(h, L, *) -> (h / G, G * L, *)`` views and its K, V are slices: no copy of them per
+        query head (what decoding with weights needs)."""
+        B, H, L, _ = self.shape
+        G = H // (int(self.kv_head[-1]) + 1)
+        h = hs.stop - hs.start
+        if G == 1 or rs.stop - rs.start != L or h % G or self.can_die:
+            return None
+        return h // G
 
     def scores_(self, w, qs_blk, kb, b, hs, rs):
         """Write the masked scores of a block into ``w`` (h, r, S); -inf where not allowed."""
@@ -98,30 +113,51 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
         weights = q.new_zeros(B, 1, L, S) if average else q.new_empty(B, H, L, S)
     elif average:
         weights.zero_()  # the blocks add into it
+    if alignment == "bottom_right" and L == 1:
+        alignment = None  # the last position sees every key
     blocks = _Blocks(q, k, mask, alignment)
     scratch = q.new_empty(blocks.heads, blocks.rows, S) if average else None
     qs = q * scale
     for b, hs, rs, kv in blocks:
-        kb, vb = k[b, kv], v[b, kv]  # (h, S, E), (h, S, Ev)
         h, r = hs.stop - hs.start, rs.stop - rs.start
         w = scratch[:h, :r] if average else weights[b, hs, rs]
-        blocks.scores_(w, qs[b, hs, rs], kb, b, hs, rs)
-        top = w.amax(-1, keepdim=True) if blocks.can_die or lse is not None else None
-        dead = top == -inf if blocks.can_die else None  # (h, r, 1); a NaN row is not dead
-        torch.softmax(w, -1, out=w)
-        if lse is not None:
-            # the largest weight is exp(top - lse), so lse = top - log(max w): one max-pass
-            # instead of logsumexp's, in float32 at least; -inf for rows with no key
-            row_lse = top.to(lse.dtype) - w.amax(-1, keepdim=True).to(lse.dtype).log()
-            if dead is not None:
-                row_lse.masked_fill_(dead, -inf)
-            lse[b, hs, rs] = row_lse[..., 0]
-        if dead is not None:
-            w.masked_fill_(dead, 0.0)  # rows with no attendable key: weights 0
-        torch.matmul(w, vb, out=out[b, hs, rs])  # (h, r, S) @ (h, S, Ev)
+        n = blocks.fold(hs, rs)
+        if n is not None:  # (h, L, *) -> (n, G * L, *): K and V sliced, not gathered
+            hk = hs.start // (h // n)
+            kb, vb = k[b, hk : hk + n], v[b, hk : hk + n]  # (n, S, E), (n, S, Ev)
+            torch.matmul(_fold(qs[b, hs], n), kb.transpose(-2, -1), out=_fold(w, n))
+            _softmax_(w, None, lse, b, hs, rs)
+            torch.matmul(_fold(w, n), vb, out=_fold(out[b, hs], n))
+        else:
+            kb, vb = k[b, kv], v[b, kv]  # (h, S, E), (h, S, Ev)
+            blocks.scores_(w, qs[b, hs, rs], kb, b, hs, rs)
+            _softmax_(w, blocks.can_die, lse, b, hs, rs)
+            torch.matmul(w, vb, out=out[b, hs, rs])  # (h, r, S) @ (h, S, Ev)
         if average:
             weights[b, 0, rs].add_(w.sum(0), alpha=1.0 / H)
     return out, weights
+
+
+def _fold(t: torch.Tensor, n: int) -> torch.Tensor:
+    """(h, L, X) -> (n, h / n * L, X), a view (``view`` raises rather than copy: results are
+    written through it)."""
+    return t.view(n, -1, t.shape[-1])
+
+
+def _softmax_(w, can_die, lse, b, hs, rs):
+    """Softmax of a block's scores in place; dead rows 0; the row log-sum-exp into ``lse``."""
+    top = w.amax(-1, keepdim=True) if can_die or lse is not None else None
+    dead = top == -inf if can_die else None  # (h, r, 1); a NaN row is not dead
+    torch.softmax(w, -1, out=w)
+    if lse is not None:
+        # the largest weight is exp(top - lse), so lse = top - log(max w): one max-pass
+        # instead of logsumexp's, in float32 at least; -inf for rows with no key
+        row_lse = top.to(lse.dtype) - w.amax(-1, keepdim=True).to(lse.dtype).log()
+        if dead is not None:
+            row_lse.masked_fill_(dead, -inf)
+        lse[b, hs, rs] = row_lse[..., 0]
+    if dead is not None:
+        w.masked_fill_(dead, 0.0)  # rows with no attendable key: weights 0
 
 
 class WeightsAttention(torch.autograd.Function):
