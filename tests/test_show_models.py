@@ -220,7 +220,7 @@ def test_special_tokens_set_aside_in_every_picture(bert_dir, tmp_path, capsys, m
     assert heat.shape == (9, 7)
     np.testing.assert_allclose(heat, renormalised(A[1].mean(0)), atol=1e-5)
     np.testing.assert_allclose(heat.sum(-1), 1.0, atol=1e-5)
-    assert "[CLS], [SEP] set aside, rows renormalised" in heat_ax.get_title()
+    assert "“[CLS]”, “[SEP]” set aside, rows renormalised" in heat_ax.get_title()
     assert [t.get_text() for t in heat_ax.get_xticklabels()] == TEXT.split()
     grid = figs["grid.png"]
     for layer in (0, 1):
@@ -230,7 +230,7 @@ def test_special_tokens_set_aside_in_every_picture(bert_dir, tmp_path, capsys, m
             np.testing.assert_allclose(panel.sum(-1), 1.0, atol=1e-5)
         mean = grid_panel(grid, layer, 4, 9, 7)
         np.testing.assert_allclose(mean, renormalised(A[layer].mean(0)), atol=1e-5)
-    assert "[CLS], [SEP] set aside" in grid.texts[0].get_text()
+    assert "“[CLS]”, “[SEP]” set aside" in grid.texts[0].get_text()
     # movement: the pulls on "bank" (token 7) are its renormalised row; none to [CLS]/[SEP]
     ax = figs["movement.png"].axes[0]
     pulls = next(c for c in ax.collections if c.get_gid() == "pulls")
@@ -241,7 +241,7 @@ def test_special_tokens_set_aside_in_every_picture(bert_dir, tmp_path, capsys, m
     assert widths[0] == 0 and widths[-1] == 0
     assert "set aside" in ax.get_title()
     heads = figs["heads.png"]
-    assert "[CLS], [SEP] set aside" in heads.texts[0].get_text()
+    assert "“[CLS]”, “[SEP]” set aside" in heads.texts[0].get_text()
     for h in range(4):  # each head's panel: its own row, renormalised
         pulls = next(c for c in heads.axes[h].collections if c.get_gid() == "pulls")
         row = set_aside(A[1, h, 7], ~keep)[others]

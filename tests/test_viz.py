@@ -167,7 +167,7 @@ def test_set_aside_renormalises_rows_and_leaves_dead_rows_at_zero():
     assert (got[:, 0] == 0).all()  # nothing left to share: 0, never uniform, never NaN
     with pytest.raises(ValueError, match="aside must be one flag per key: 6 flags; got shape"):
         set_aside(W, flags[:4])
-    assert aside_note(list("abcdef"), flags) == "a, f set aside, rows renormalised"
+    assert aside_note(list("abcdef"), flags) == "“a”, “f” set aside, rows renormalised"
     assert aside_note(list("abcdef"), None) == ""
 
 
@@ -183,7 +183,7 @@ def test_heatmap_and_grid_drop_the_set_aside_columns_and_say_so():
     np.testing.assert_allclose(shown, expected, rtol=1e-6)
     assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b", "c"]
     assert [t.get_text() for t in ax.get_yticklabels()] == tokens  # every row is kept
-    assert ax.get_title() == "one head\n[CLS], [SEP] set aside, rows renormalised"
+    assert ax.get_title() == "one head\n“[CLS]”, “[SEP]” set aside, rows renormalised"
     grid = plot_attention_grid(A, tokens, title="grid", aside=flags)
     mosaic = np.ma.filled(grid.axes[0].images[0].get_array(), np.nan)
     gap = max(1, round(0.12 * 5))
@@ -192,9 +192,16 @@ def test_heatmap_and_grid_drop_the_set_aside_columns_and_say_so():
             W = A[layer, col] if col < 3 else A[layer].mean(0)
             panel = mosaic[layer * (5 + gap) : layer * (5 + gap) + 5, col * (3 + gap) :][:, :3]
             np.testing.assert_allclose(panel, W[:, 1:4] / W[:, 1:4].sum(-1, keepdims=True), 1e-6)
-    assert "[CLS], [SEP] set aside" in grid._suptitle.get_text()
+    assert "“[CLS]”, “[SEP]” set aside" in grid._suptitle.get_text()
     with pytest.raises(ValueError, match="aside must be 5 flags"):
         plot_attention_grid(A, tokens, aside=flags[:3])
+    # a long map labels every k-th column with its position in the text, not in the picture
+    big = random_weights(rng, 200, 200)
+    first = np.zeros(200, bool)
+    first[0] = True
+    ax = plot_attention(big, [f"t{i}" for i in range(200)], aside=first).axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels[0] == "t1 ·1" and all(t.split(" ·")[0] == f"t{t.split('·')[1]}" for t in labels)
 
 
 def test_alignment_overlay_marks_sure_and_possible_links_and_scores_aer():

@@ -111,10 +111,11 @@ def aside_flags(trace: Any, what: str | None) -> np.ndarray | None:
 
 
 def aside_note(tokens: Sequence[str], aside: Sequence[bool] | np.ndarray | None) -> str:
-    """The phrase pictures put in their titles: ``"[CLS], [SEP] set aside, rows renormalised"``
-    (empty when nothing is set aside)."""
+    """The phrase pictures put in their titles: ``"“[CLS]”, “[SEP]” set aside, rows
+    renormalised"`` (empty when nothing is set aside)."""
     if aside is None:
         return ""
-    names = list(dict.fromkeys(short(t, 12) for t, a in zip(tokens, aside, strict=True) if a))
+    flagged = [t for t, a in zip(tokens, aside, strict=True) if a]
+    names = list(dict.fromkeys(f"“{short(t, 12)}”" for t in flagged))
     shown = ", ".join(names[:4]) + (f" (+{len(names) - 4})" if len(names) > 4 else "")
     return f"{shown} set aside, rows renormalised"

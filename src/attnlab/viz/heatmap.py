@@ -54,11 +54,13 @@ def set_token_ticks(
     *,
     fontsize: float = LABEL_PT,
     length_pt: tuple[float, float] | None = None,
+    x_positions: Sequence[int] | None = None,
 ) -> None:
     """Label the columns with ``x_tokens`` and the rows with ``y_tokens``.
 
     When there are more tokens than fit, every ``k``-th is labelled (with its position, so the
-    reader can still count), and x labels are rotated, so labels never overlap.
+    reader can still count), and x labels are rotated, so labels never overlap. ``x_positions``
+    are the columns' positions in the text when some were left out (tokens set aside).
     """
     width_pt, height_pt = length_pt or _axes_points(ax)
     if x_tokens is not None:
@@ -66,7 +68,10 @@ def set_token_ticks(
         slant = math.sin(math.radians(X_ROTATION))
         step = label_step(n, width_pt * slant, fontsize)
         ticks = list(range(0, n, step))
-        labels = [short(x_tokens[i]) if step == 1 else f"{short(x_tokens[i])} ·{i}" for i in ticks]
+        where = list(range(n)) if x_positions is None else list(x_positions)
+        labels = [
+            short(x_tokens[i]) if step == 1 else f"{short(x_tokens[i])} ·{where[i]}" for i in ticks
+        ]
         ax.set_xticks(
             ticks,
             labels,
@@ -137,9 +142,11 @@ def plot_attention(
     if key_tokens is None and S == L:
         key_tokens = query_tokens
     key_tokens = check_tokens(key_tokens, S, "key_tokens")
+    positions = None  # the kept columns' positions in the text
     if aside is not None:
         flags = np.asarray(aside, bool)
         W = set_aside(W, flags)[:, ~flags]  # (L, S) -> (L, S - set aside); checks the flags
+        positions = np.flatnonzero(~flags).tolist()
         note = aside_note(key_tokens, flags)
         key_tokens = [t for t, a in zip(key_tokens, flags, strict=True) if not a]
         title = f"{title}\n{note}" if title else note
@@ -157,7 +164,13 @@ def plot_attention(
 
     norm = PowerNorm(0.5, vmin=0.0, vmax=top) if scale == "sqrt" else Normalize(0.0, top)
     image = ax.imshow(W, cmap=cmap, norm=norm, interpolation="nearest", aspect="auto")
-    set_token_ticks(ax, key_tokens, query_tokens, length_pt=(S * cell * 72, L * cell * 72))
+    set_token_ticks(
+        ax,
+        key_tokens,
+        query_tokens,
+        length_pt=(S * cell * 72, L * cell * 72),
+        x_positions=positions,
+    )
     ax.set_xlabel("key: attended to")
     ax.set_ylabel("query: attending")
     if title:
