@@ -1,7 +1,7 @@
 """The fused additive-attention kernel (attnlab.kernels.triton_additive) against the naive formula.
 
     python benchmarks/bench_gpu_additive.py           # on a CUDA machine (an H100 for the targets)
-    python benchmarks/bench_gpu_additive.py --sweep   # also time other tile sizes (BLOCKS)
+    python benchmarks/bench_gpu_additive.py --sweep   # also time other tiles (TILINGS)
     TRITON_INTERPRET=1 python benchmarks/bench_gpu_additive.py --smoke   # tiny, CPU interpreter:
                                                       # checks the script, times mean nothing
 
@@ -44,9 +44,8 @@ DTYPES = (torch.float32, torch.bfloat16)
 SFU_PER_CLOCK_PER_SM = 16
 ASSUMED_CLOCK_HZ = 1.98e9  # H100 SXM boost clock; sustained clocks under load can be lower
 SFU_OPS_PER_TANH = 2  # the kernel's tanh: one exp2 and one reciprocal
-# Tiles to sweep: rows x keys x warps. The backward reduces each tanh plane along both axes once
-# per column of A, so fewer warps (reductions within a warp) may pay there even where the forward
-# wants more: the sweep prints both, and BLOCKS could be split by direction if they disagree.
+# Tiles to sweep, rows x keys x warps, for the forward and for the backward apart (the backward
+# reduces each tanh plane along both axes once per column of A; the forward never reduces).
 SWEEP = [(r, k, w) for r in (32, 64, 128) for k in (16, 32, 64) for w in (2, 4, 8)]
 
 
@@ -171,7 +170,8 @@ def bench_dtype(args, shape: dict, dtype: torch.dtype, limit: float) -> None:
 
 
 def sweep(args, shape: dict, dtype: torch.dtype, limit: float) -> None:
-    """Forward and forward+backward time of the kernel alone for each tile configuration."""
+    """Forward time per forward tile, then forward+backward time per backward tile (the
+    forward's kept at its default), of the kernel alone."""
     from attnlab.kernels import triton_additive as K
 
     B, L, S, D, A = (shape[n] for n in "BLSDA")
@@ -181,30 +181,41 @@ def sweep(args, shape: dict, dtype: torch.dtype, limit: float) -> None:
     v = torch.randn(B, S, D, device=args.device, generator=g).to(dtype)
     leaves = [t.requires_grad_() for t in (a, b, w, v)]
     grad = torch.randn(B, L, D, device=args.device, dtype=dtype)
-    print(f"\n-- sweep ({str(dtype).removeprefix('torch.')}): rows x keys x warps")
-    current = K.blocks_for(torch.device(args.device), D)
+    default = K.tiling_for(torch.device(args.device), D)
     tanh = B * L * S * A
-    for rows, keys, warps in SWEEP:
-        blocks = K.Blocks(rows, keys, warps)
-
-        def fwd(blocks=blocks):
-            with torch.no_grad():
-                K.additive_attention(*leaves, blocks=blocks)
-
-        def fwd_bwd(blocks=blocks):
-            torch.autograd.grad(K.additive_attention(*leaves, blocks=blocks), leaves, grad)
-
-        try:
-            t = round_robin({"fwd": fwd, "both": fwd_bwd}, args.device, args.rounds)
-        except Exception as e:  # a configuration that does not compile or fit: say so, go on
-            print(f"  {rows:>3} x {keys:>3} x {warps}: failed ({type(e).__name__}: {e})"[:160])
-            continue
-        mark = "  <- BLOCKS now" if blocks == current else ""
+    for direction in ("forward", "backward"):
         print(
-            f"  {rows:>3} x {keys:>3} x {warps}: forward {t['fwd'] * 1e3:8.3f} ms "
-            f"({tanh / t['fwd'] / limit:4.0%} of the SFU limit), forward+backward "
-            f"{t['both'] * 1e3:8.3f} ms ({3 * tanh / t['both'] / limit:4.0%}){mark}"
+            f"\n-- sweep ({str(dtype).removeprefix('torch.')}), {direction} tiles, rows x keys x "
+            "warps"
         )
+        for rows, keys, warps in SWEEP:
+            blocks = K.Blocks(rows, keys, warps)
+            if direction == "forward":
+                tiling = K.Tiling(blocks, default.backward)
+
+                def step(tiling=tiling):
+                    with torch.no_grad():
+                        K.additive_attention(*leaves, tiling=tiling)
+
+            else:
+                tiling = K.Tiling(default.forward, blocks)
+
+                def step(tiling=tiling):
+                    out = K.additive_attention(*leaves, tiling=tiling)
+                    torch.autograd.grad(out, leaves, grad)
+
+            label = f"  {rows:>3} x {keys:>3} x {warps}"
+            try:
+                t = round_robin({"k": step}, args.device, args.rounds)["k"]
+            except Exception as e:  # a tile that does not compile or fit: say so, go on
+                print(f"{label}: failed ({type(e).__name__}: {e})"[:160])
+                continue
+            count = tanh if direction == "forward" else 3 * tanh
+            mark = "  <- TILINGS now" if blocks == getattr(default, direction) else ""
+            what = "forward" if direction == "forward" else "forward+backward"
+            print(
+                f"{label}: {what} {t * 1e3:8.3f} ms ({count / t / limit:4.0%} of the limit){mark}"
+            )
 
 
 def run(args) -> None:

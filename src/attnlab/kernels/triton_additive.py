@@ -41,27 +41,30 @@ Tiling::
   A columns, one tanh plane per column. Causal rows stop at their last visible key block.
 * **Backward**: a program owns ``BLOCK_S`` keys of one batch row and walks the query blocks that
   can see them (FlashAttention-2's order). Per tile: pass 1 over A rebuilds ``s``, then ``P`` from
-  ``lse``, ``dS``, and ``dV += P^T dO`` (registers: the program owns these keys). Pass 2 over A
-  recomputes ``t`` and reduces ``g = dS w_k (1 - t^2)`` along both axes, and ``dS t`` to one
-  number. ``db`` and the program's row of ``dw`` partials belong to this program alone; ``da``
-  rows are shared by every key block, so they are added with atomics, and each program starts its
-  walk at a different query block (rotated by its key block) so that concurrent programs rarely
-  add to the same rows. The alternatives cost more tanh: a second kernel per query block for
-  ``da`` (a fourth pass), or storing ``dS`` (B, L, S). Atomics make the float32 summation order,
-  not the result, vary between runs. ``db`` and ``dw`` use atomics too, without contention: a
-  program only revisits its own addresses, and an atomic read-modify-write needs no barrier
-  between the threads of a program (a plain load-add-store would).
+  ``lse``; ``dP = dO V^T`` and ``dV += P^T dO`` walk Dv in chunks of ``BACKWARD_VALUE_CHUNK``
+  columns (few registers for any Dv), then ``dS``. Pass 2 over A recomputes ``t`` and reduces
+  ``g = dS w_k (1 - t^2)`` along both axes, and ``dS t`` to one number. ``db``, ``dV`` (float32)
+  and the program's row of ``dw`` partials belong to this program alone; ``da`` rows are shared
+  by every key block, so they are added with atomics, and each program starts its walk at a
+  different query block (rotated by its key block) so that concurrent programs rarely add to the
+  same rows. The alternatives cost more tanh: a second kernel per query block for ``da`` (a
+  fourth pass), or storing ``dS`` (B, L, S). Atomics make the float32 summation order, not the
+  result, vary between runs. ``db``, ``dV`` and ``dw`` are added with (relaxed) atomics too,
+  without contention: a program only revisits its own addresses, and an atomic read-modify-write
+  needs no barrier between the threads of a program (a plain load-add-store would).
 
 Dtypes: ``a``, ``b``, ``w``, the scores, softmax statistics and accumulators are float32; V, the
 output and dO stay in the inputs' dtype (float32, bfloat16, float16), and P is cast to it for the
-products (float32 products in IEEE precision, not TF32, to meet float32 tolerances).
+products. Float32 products run as three TF32 products on CUDA (``tf32x3``: float32 accuracy on
+tensor cores; a single TF32 product would miss float32 tolerances, and IEEE products on the FMA
+units spilled registers), exactly in float32 in the interpreter.
 
 A row with no attendable key (mask or causal) gets ``lse = +inf``: P = 0, output 0, gradients 0.
 
 The readable spec of the same computation is :func:`reference` below (it materialises the
 (N, L, S, A) tanh: small inputs only), itself tested against the float64 NumPy oracle
-:func:`attnlab.reference.additive_attention`. Block sizes are :data:`BLOCKS`, measured with
-``benchmarks/bench_gpu_additive.py --sweep``.
+:func:`attnlab.reference.additive_attention`. Tile sizes are :data:`TILINGS`, to be measured
+with ``benchmarks/bench_gpu_additive.py --sweep``.
 
 References: Bahdanau, Cho, Bengio, ICLR 2015 (the score); Dao, "FlashAttention-2", 2023 (the
 tiling and the backward's order).
@@ -82,7 +85,7 @@ from attnlab.kernels import _triton
 TWO_LOG2E = 2.0 / math.log(2.0)  # tanh(x) = 1 - 2 / (exp2(TWO_LOG2E * x) + 1)
 EXP2_CAP = tl.constexpr(64.0)  # exp2's argument is capped (tanh is 1.0 in float32 from 26 on)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_VALUE_DIM = 256  # the output tile (BLOCK_L, Dv) lives in registers
+MAX_VALUE_DIM = 256  # the forward's output tile (BLOCK_L, Dv) lives in registers
 
 
 @dataclass(frozen=True)
@@ -94,23 +97,33 @@ class Blocks:
     warps: int
 
 
-# CUDA: first choices by the designs above, to be confirmed on an H100 with
-# ``bench_gpu_additive.py --sweep``. Wide values (Dv > WIDE_VALUE) keep more in registers (the
-# output tile (rows, Dv), and in the backward V, dV (keys, Dv) and dO (rows, Dv)): fewer keys per
-# tile and more warps. The interpreter: the smallest tiles, so that small test shapes still span
-# several tiles in both directions.
+@dataclass(frozen=True)
+class Tiling:
+    """The forward's and the backward's tiles (their register needs differ)."""
+
+    forward: Blocks
+    backward: Blocks
+
+
+# CUDA: first choices, to be confirmed on an H100 with ``bench_gpu_additive.py --sweep``.
+# Compiled ahead of time for sm_90 (Triton 3.9's ptxas; no GPU at hand), float32 and bfloat16,
+# Dv = 256, every mask kind: 128-240 registers and no spills (8 bytes of stack in the float32
+# backward without mask); larger tiles spilled. The forward's output tile (rows, Dv) is why wide
+# values (Dv > WIDE_VALUE) get 32 rows; the backward walks Dv in chunks of BACKWARD_VALUE_CHUNK.
+# The interpreter: the smallest tiles, so that small test shapes span several tiles.
 WIDE_VALUE = 64
-BLOCKS = {
-    "cuda": Blocks(64, 64, 4),
-    "cuda, wide values": Blocks(64, 32, 8),
-    "interpreter": Blocks(16, 16, 1),
+BACKWARD_VALUE_CHUNK = 16
+TILINGS = {
+    "cuda": Tiling(Blocks(64, 32, 4), Blocks(64, 64, 8)),
+    "cuda, wide values": Tiling(Blocks(32, 32, 8), Blocks(64, 64, 8)),
+    "interpreter": Tiling(Blocks(16, 16, 1), Blocks(16, 16, 1)),
 }
 
 
-def blocks_for(device: torch.device, value_dim: int) -> Blocks:
+def tiling_for(device: torch.device, value_dim: int) -> Tiling:
     if device.type == "cpu":
-        return BLOCKS["interpreter"]
-    return BLOCKS["cuda, wide values"] if value_dim > WIDE_VALUE else BLOCKS["cuda"]
+        return TILINGS["interpreter"]
+    return TILINGS["cuda, wide values"] if value_dim > WIDE_VALUE else TILINGS["cuda"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,12 +150,14 @@ def _tanh_and_slope(x2):
 
 
 @triton.jit
-def _dot(x, y, WIDEN: tl.constexpr):
-    """x @ y, float32 accumulation. WIDEN: float32 operands (exact for 16-bit inputs), set for
-    bfloat16 in the interpreter, whose ``tl.dot`` multiplies bfloat16's raw bits (Triton 3.9)."""
+def _dot(x, y, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """x @ y, float32 accumulation. PRECISION applies to float32 operands ("tf32x3" on CUDA:
+    three TF32 products, float32 accuracy on tensor cores). WIDEN: float32 operands (exact for
+    16-bit inputs), set for bfloat16 in the interpreter, whose ``tl.dot`` multiplies bfloat16's
+    raw bits (Triton 3.9)."""
     if WIDEN:
         x, y = x.to(tl.float32), y.to(tl.float32)
-    return tl.dot(x, y, input_precision="ieee")
+    return tl.dot(x, y, input_precision=PRECISION)
 
 
 @triton.jit
@@ -185,7 +200,7 @@ def _fwd_kernel(
     AT, BT, W, V, M, O, LSE,
     L, S, A, DV, offset,
     svn, svs, svd, smn, sml, sms,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, WIDEN: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     i0 = tl.program_id(0) * BLOCK_L
@@ -215,7 +230,7 @@ def _fwd_kernel(
             mask=(cols[:, None] < S) & (dv[None, :] < DV),
             other=0.0,
         )  # (BLOCK_S, BLOCK_DV)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, WIDEN)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, WIDEN)
         m_i = m_new
 
     alive = l_i > 0  # dead rows (no attendable key): output 0, lse = +inf
@@ -230,26 +245,21 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_kernel(
-    AT, BT, W, V, M, DO, LSE, DELTA, DAT, DBT, DWP, DVO,
+    AT, BT, W, V, M, DO, LSE, DELTA, DAT, DBT, DWP, DV32,
     L, S, A, DV, offset,
     svn, svs, svd, smn, sml, sms,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, WIDEN: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     pid_s = tl.program_id(0)
     j0 = pid_s * BLOCK_S
     n = tl.program_id(1).to(tl.int64)
     cols = j0 + tl.arange(0, BLOCK_S)
-    dv = tl.arange(0, BLOCK_DV)
+    col_ok = cols < S
     a_ptr, b_ptr = AT + n * A * L, BT + n * A * S
     da_ptr, db_ptr = DAT + n * A * L, DBT + n * A * S
     dw_ptr = DWP + (n * tl.num_programs(0) + pid_s) * A  # this program's row of dw partials
-    m_ptr = M + n * smn
-    v_mask = (cols[:, None] < S) & (dv[None, :] < DV)
-    v = tl.load(
-        V + n * svn + cols[:, None] * svs + dv[None, :] * svd, mask=v_mask, other=0.0
-    )  # (BLOCK_S, BLOCK_DV)
-    dv_acc = tl.zeros((BLOCK_S, BLOCK_DV), dtype=tl.float32)
+    v_ptr, m_ptr = V + n * svn, M + n * smn
 
     first = 0
     if CAUSAL:  # rows before j0 - offset see none of these keys
@@ -259,32 +269,44 @@ def _bwd_kernel(
         i0 = (first + (it + pid_s) % count) * BLOCK_L  # rotated start: fewer colliding atomics
         rows = i0 + tl.arange(0, BLOCK_L)
         row_ok = rows < L
-        # pass 1: the scores again, and dS
+        # pass 1: the scores again, P, and dP = dO V^T with dV += P^T dO, BLOCK_DV columns at a
+        # time (dV in float32, added by this program alone: few registers for any Dv)
         s = _score_tile(a_ptr, b_ptr, W, rows, cols, L, S, A, BLOCK_L, BLOCK_S)
         s = _visible(s, m_ptr, rows, cols, L, S, offset, smn, sml, sms, MASK, CAUSAL)
         lse = tl.load(LSE + n * L + rows, mask=row_ok, other=float("inf"))
         p = tl.where(s == float("-inf"), 0.0, tl.exp(s - lse[:, None]))  # (BLOCK_L, BLOCK_S)
-        do = tl.load(
-            DO + n * L * DV + rows[:, None] * DV + dv[None, :],
-            mask=row_ok[:, None] & (dv[None, :] < DV),
-            other=0.0,
-        )  # (BLOCK_L, BLOCK_DV)
-        dv_acc += _dot(tl.trans(p.to(do.dtype)), do, WIDEN)
-        dp = _dot(do, tl.trans(v), WIDEN)
+        p_t = tl.trans(p.to(DO.dtype.element_ty))  # (BLOCK_S, BLOCK_L)
+        dp = tl.zeros((BLOCK_L, BLOCK_S), dtype=tl.float32)
+        for d0 in range(0, DV, BLOCK_DV):
+            dcols = d0 + tl.arange(0, BLOCK_DV)
+            do = tl.load(
+                DO + n * L * DV + rows[:, None] * DV + dcols[None, :],
+                mask=row_ok[:, None] & (dcols[None, :] < DV),
+                other=0.0,
+            )  # (BLOCK_L, BLOCK_DV)
+            v = tl.load(
+                v_ptr + cols[:, None] * svs + dcols[None, :] * svd,
+                mask=col_ok[:, None] & (dcols[None, :] < DV),
+                other=0.0,
+            )  # (BLOCK_S, BLOCK_DV)
+            dp += _dot(do, tl.trans(v), PRECISION, WIDEN)
+            tl.atomic_add(
+                DV32 + n * S * DV + cols[:, None] * DV + dcols[None, :],
+                _dot(p_t, do, PRECISION, WIDEN),
+                mask=col_ok[:, None] & (dcols[None, :] < DV),
+                sem="relaxed",
+            )
         delta = tl.load(DELTA + n * L + rows, mask=row_ok, other=0.0)
         ds = p * (dp - delta[:, None])
         # pass 2: t again; reduce g = dS w_k (1 - t^2) over keys (da) and rows (db)
         for k in range(0, A):
             a_k = tl.load(a_ptr + k * L + rows, mask=row_ok, other=0.0)
-            b_k = tl.load(b_ptr + k * S + cols, mask=cols < S, other=0.0)
+            b_k = tl.load(b_ptr + k * S + cols, mask=col_ok, other=0.0)
             t, slope = _tanh_and_slope(a_k[:, None] + b_k[None, :])
             g = ds * (tl.load(W + k) * slope)
-            tl.atomic_add(da_ptr + k * L + rows, tl.sum(g, 1), mask=row_ok)
-            tl.atomic_add(db_ptr + k * S + cols, tl.sum(g, 0), mask=cols < S)
-            tl.atomic_add(dw_ptr + k, tl.sum(tl.sum(ds * t, 1), 0))
-
-    dv_ptrs = DVO + n * S * DV + cols[:, None] * DV + dv[None, :]
-    tl.store(dv_ptrs, dv_acc.to(DVO.dtype.element_ty), mask=v_mask)
+            tl.atomic_add(da_ptr + k * L + rows, tl.sum(g, 1), mask=row_ok, sem="relaxed")
+            tl.atomic_add(db_ptr + k * S + cols, tl.sum(g, 0), mask=col_ok, sem="relaxed")
+            tl.atomic_add(dw_ptr + k, tl.sum(tl.sum(ds * t, 1), 0), sem="relaxed")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,7 +329,7 @@ def _offset(alignment: str | None, L: int, S: int) -> int:
 
 class _AdditiveAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, w, value, mask, alignment, blocks):
+    def forward(ctx, a, b, w, value, mask, alignment, tiling):
         N, L, A = a.shape
         S, DV = b.shape[1], value.shape[2]
         at = (a * TWO_LOG2E).transpose(1, 2).contiguous()  # (N, L, A) -> (N, A, L), pre-scaled
@@ -319,20 +341,20 @@ class _AdditiveAttention(torch.autograd.Function):
         meta = dict(
             MASK=kind,
             CAUSAL=alignment is not None,
+            PRECISION="tf32x3" if value.is_cuda else "ieee",
             WIDEN=value.dtype == torch.bfloat16 and value.device.type == "cpu",
-            BLOCK_L=blocks.rows,
-            BLOCK_S=blocks.keys,
-            BLOCK_DV=max(16, triton.next_power_of_2(DV)),
-            num_warps=blocks.warps,
         )
-        _fwd_kernel[(triton.cdiv(L, blocks.rows), N)](
+        blk = tiling.forward
+        _fwd_kernel[(triton.cdiv(L, blk.rows), N)](
             at, bt, w, value, m, out, lse,
             L, S, A, DV, _offset(alignment, L, S),
             *value.stride(), *m_strides,
-            **meta,
+            **meta, BLOCK_L=blk.rows, BLOCK_S=blk.keys,
+            BLOCK_DV=max(16, triton.next_power_of_2(DV)), num_warps=blk.warps,
         )  # fmt: skip
         ctx.save_for_backward(at, bt, w, value, m, out, lse)
-        ctx.meta, ctx.m_strides, ctx.offset = meta, m_strides, _offset(alignment, L, S)
+        ctx.meta, ctx.tiling = meta, tiling
+        ctx.m_strides, ctx.offset = m_strides, _offset(alignment, L, S)
         return out
 
     @staticmethod
@@ -344,18 +366,21 @@ class _AdditiveAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         delta = (grad_out.float() * out.float()).sum(-1)  # (N, L): D_i = sum_e dO_ie O_ie
         dat, dbt = torch.zeros_like(at), torch.zeros_like(bt)
-        key_blocks = triton.cdiv(S, ctx.meta["BLOCK_S"])
+        blk = ctx.tiling.backward
+        key_blocks = triton.cdiv(S, blk.keys)
         dw_parts = w.new_zeros(N, key_blocks, A)
-        dvalue = value.new_empty(N, S, DV)
+        dvalue = value.new_zeros(N, S, DV, dtype=torch.float32)
         _bwd_kernel[(key_blocks, N)](
             at, bt, w, value, m, grad_out, lse, delta, dat, dbt, dw_parts, dvalue,
             L, S, A, DV, ctx.offset,
             *value.stride(), *ctx.m_strides,
-            **ctx.meta,
+            **ctx.meta, BLOCK_L=blk.rows, BLOCK_S=blk.keys,
+            BLOCK_DV=min(max(16, triton.next_power_of_2(DV)), BACKWARD_VALUE_CHUNK),
+            num_warps=blk.warps,
         )  # fmt: skip
         da = dat.transpose(1, 2)  # (N, A, L) -> (N, L, A)
         db = dbt.transpose(1, 2)  # (N, A, S) -> (N, S, A)
-        return da, db, dw_parts.sum((0, 1)), dvalue, None, None, None
+        return da, db, dw_parts.sum((0, 1)), dvalue.to(value.dtype), None, None, None
 
 
 def additive_attention(
@@ -365,7 +390,7 @@ def additive_attention(
     value: torch.Tensor,
     mask: torch.Tensor | None = None,
     alignment: str | None = None,
-    blocks: Blocks | None = None,
+    tiling: Tiling | None = None,
 ) -> torch.Tensor:
     """softmax(w . tanh(a_i + b_j) + M) V, fused: (N,L,A), (N,S,A), (A,), (N,S,Dv) -> (N,L,Dv).
 
@@ -377,13 +402,13 @@ def additive_attention(
         mask: None, bool (True = may attend) or a float bias without gradient, of shape
             (N, L, S) -- an expanded view is read in place through its (zero) strides.
         alignment: None, "top_left" or "bottom_right" causal (see :mod:`attnlab.masks`).
-        blocks: tile sizes; :func:`blocks_for` the device and Dv by default.
+        tiling: tile sizes; :func:`tiling_for` the device and Dv by default.
 
     Differentiable in ``a``, ``b``, ``w`` and ``value``. Call :func:`supports` first.
     """
-    blocks = blocks or blocks_for(a.device, value.shape[-1])
+    tiling = tiling or tiling_for(a.device, value.shape[-1])
     return _AdditiveAttention.apply(
-        a.contiguous(), b.contiguous(), w, value.contiguous(), mask, alignment, blocks
+        a.contiguous(), b.contiguous(), w, value.contiguous(), mask, alignment, tiling
     )
 
 
@@ -413,9 +438,9 @@ def supports(query, key, value, attn_mask) -> str | None:
 
 def describe(query, key, value, w_score) -> str:
     """The kernel and its tiling in one line (for ``explain_additive()``)."""
-    blk = blocks_for(query.device, value.shape[-1])
+    fwd = tiling_for(query.device, value.shape[-1]).forward
     return (
-        f"fused additive kernel, {_triton.where()}: tiles of {blk.rows} query rows x {blk.keys} "
+        f"fused additive kernel, {_triton.where()}: tiles of {fwd.rows} query rows x {fwd.keys} "
         f"keys, A={w_score.shape[0]} tanh per score, online softmax; saves the row log-sum-exp, "
         "never the (..., L, S, A) tanh nor the scores; the backward recomputes them"
     )
