@@ -6,7 +6,7 @@ has a float64 NumPy twin with the same name and signature in :mod:`attnlab.refer
 its specification.
 """
 
-from attnlab.functional.additive import additive_attention, additive_scores
+from attnlab.functional.additive import additive_attention, additive_scores, explain_additive
 from attnlab.functional.hard import hard_attention, hard_attention_weights
 from attnlab.functional.rotary import apply_rotary, rotary_angles
 from attnlab.functional.scores import (
@@ -27,6 +27,7 @@ __all__ = [
     "concat_scores",
     "dot_product_scores",
     "explain",
+    "explain_additive",
     "general_scores",
     "hard_attention",
     "hard_attention_weights",

@@ -5,6 +5,14 @@
   scale, dropout_p, generator=None)``, ``supports(q, k, v, mask, dropout_p)`` (None, or why
   not) and ``describe(q, k, v, alignment)`` (the tiling in one line, for ``explain()``).
 
+* Triton kernels (GPU; on CPU tensors through Triton's interpreter under ``TRITON_INTERPRET=1``,
+  see :mod:`attnlab.kernels._triton`), imported only when they run:
+  :mod:`~attnlab.kernels.triton_attention` (forward with the row log-sum-exp; weights from it),
+  :mod:`~attnlab.kernels.triton_backward` (its backward), :mod:`~attnlab.kernels.triton_decode`
+  (split-key decoding with weights), :mod:`~attnlab.kernels.triton_additive` (fused additive
+  attention, forward and backward). The dispatch picks them in
+  :mod:`attnlab.functional._triton` and :mod:`attnlab.functional.additive`.
+
 The kernels depend on nothing above them (no ``attnlab.functional`` import): the dispatch in
 :mod:`attnlab.functional.sdpa` checks inputs and applies the NaN policy around them.
 """
