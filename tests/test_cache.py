@@ -161,3 +161,45 @@ def test_layer_cache_misuse_errors():
     cross = MultiHeadAttention(32, 4, layer_idx=0)
     with pytest.raises(ValueError, match="self-attention only.*project_kv"):
         cross(x, key=torch.randn(1, 5, 32), cache=DynamicCache())
+
+
+# --- storage for compiled decode steps ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["static", "sliding"])
+def test_fixed_shape_storage_keeps_its_address_through_reorder(kind):
+    """A compiled step (and a CUDA graph) holds the storage's address: a beam reorder of the
+    same batch size copies in place; filtering the batch allocates anew."""
+    layer = make_layer(kind, 4, 2, rope=True)
+    x = torch.randn(3, 6, 32, generator=torch.Generator().manual_seed(4))
+    cache = make_cache(kind)
+    with torch.no_grad():
+        layer(x, cache=cache)
+        keys, values, positions, real = cache.buffers(0)
+        before = [t.data_ptr() for t in (keys, values, positions, real)]
+        expected = keys[[2, 0, 0]].clone()
+        cache.reorder(torch.tensor([2, 0, 0]))
+        assert [t.data_ptr() for t in cache.buffers(0)] == before
+        assert torch.equal(cache.buffers(0)[0], expected)
+        cache.reorder(torch.tensor([1]))
+        assert cache.buffers(0)[0].shape[0] == 1
+
+
+def test_buffers_and_advance():
+    cache = StaticCache(8, num_layers=2)
+    k = torch.randn(1, 2, 3, 4)
+    for i in range(2):
+        cache.update(k, k, i)
+    assert cache.capacity == 8
+    keys, _, positions, _ = cache.buffers(1)
+    assert keys.shape == (1, 2, 8, 4) and positions.tolist() == [0, 1, 2] + [-1] * 5
+    positions[3] = 3  # what a compiled step writes, then counts
+    cache.advance(1)
+    assert cache.get_seq_length(0) == cache.get_seq_length(1) == 4
+    assert cache.key_positions(1).tolist() == [0, 1, 2, 3] + [-1] * 4
+    with pytest.raises(ValueError, match="nothing cached yet.*prefill"):
+        StaticCache(8).buffers(0)
+    dynamic = DynamicCache()
+    dynamic.update(k, k, 0)
+    with pytest.raises(TypeError, match="grows its storage.*StaticCache"):
+        dynamic.buffers(0)

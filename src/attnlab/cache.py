@@ -21,6 +21,14 @@ which cached keys are padding (:meth:`Cache.key_mask`), so the layer builds an e
 for any kind. Multi-query and grouped-query layers cache only their Hkv heads: the memory saving
 of MQA/GQA is exactly here.
 
+Compiled decoding. The fixed-shape caches (static, sliding) keep their storage at one address for
+their whole life (``reorder`` copies in place when the batch size stays), and mark it with
+``torch._dynamo.mark_static_address``: a compiled decode step can write into it in place and CUDA
+graphs can replay over it. Such a step reaches the storage through :meth:`Cache.buffers`, finds
+the next slot on the device from the positions tensor (the largest position + 1, so no Python
+int that changes per step enters the graph), and then calls :meth:`Cache.advance` to count the
+token (see :class:`attnlab.models.decode.DecodeStep`).
+
 The cache stores tensors for inference; it is not meant to be backpropagated through.
 """
 
@@ -67,10 +75,23 @@ class _Layer:
         else:
             self.real[:, slots] = True
 
-    def reorder(self, index: torch.Tensor) -> None:
-        self.keys = self.keys.index_select(0, index)
-        self.values = self.values.index_select(0, index)
-        self.real = self.real.index_select(0, index)
+    def reorder(self, index: torch.Tensor, in_place: bool) -> None:
+        for name in ("keys", "values", "real"):
+            old = getattr(self, name)
+            new = old.index_select(0, index)
+            if in_place and new.shape == old.shape:
+                old.copy_(new)  # same address: compiled steps and CUDA graphs stay valid
+            else:
+                setattr(self, name, new)
+        if in_place:
+            self.mark_static()
+
+    def mark_static(self) -> None:
+        """Tell torch.compile the storage keeps its address (no copy into CUDA graph inputs)."""
+        if torch.compiler.is_compiling():  # (allocated inside a traced call: nothing to mark)
+            return
+        for t in (self.keys, self.values, self.real, self.positions):
+            torch._dynamo.mark_static_address(t)
 
 
 class Cache:
@@ -82,6 +103,8 @@ class Cache:
     #: True when cached keys sit in slots 0..S-1 in order, so that the new queries are the last
     #: L positions: bottom-right causal alignment then needs no explicit mask.
     in_order = True
+    #: True when the storage never changes shape or address (a compiled step may write it).
+    fixed_shape = False
 
     def __init__(self, num_layers: int | None = None) -> None:
         if num_layers is not None and (not isinstance(num_layers, int) or num_layers < 1):
@@ -116,6 +139,8 @@ class Cache:
         layer = self._layers.get(layer_idx)
         if layer is None:
             layer = self._layers[layer_idx] = _Layer(key, value, self._initial_capacity(key))
+            if self.fixed_shape:
+                layer.mark_static()
         start = layer.length
         layer.view = self._store(layer, key, value, key_mask, start)
         layer.length += key.shape[2]
@@ -153,7 +178,7 @@ class Cache:
         if len(index) and (int(index.min()) < 0 or int(index.max()) >= B):  # checked once
             raise ValueError(f"index must lie in [0, {B}); got {index.tolist()}.")
         for layer in self._layers.values():
-            layer.reorder(index.to(layer.keys.device))
+            layer.reorder(index.to(layer.keys.device), in_place=self.fixed_shape)
             layer.view = None  # stale until the next update
 
     def reset(self) -> None:
@@ -164,6 +189,49 @@ class Cache:
     def batch_size(self) -> int | None:
         layer = next(iter(self._layers.values()), None)
         return None if layer is None else layer.keys.shape[0]
+
+    @property
+    def capacity(self) -> int | None:
+        """Slots per layer (C): ``max_length`` or ``window``; None before the first update."""
+        layer = next(iter(self._layers.values()), None)
+        return None if layer is None else layer.keys.shape[2]
+
+    # -- for compiled decode steps --------------------------------------------------------------
+
+    def buffers(
+        self, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The storage of layer ``layer_idx`` itself, for a compiled step that writes it in place.
+
+        Returns:
+            ``(keys (B, Hkv, C, E), values (B, Hkv, C, Ev), positions (C,), real (B, C))``:
+            ``positions`` holds each slot's position in the sequence (-1 = empty), ``real`` is
+            True for real tokens (False = padding). A step that writes one token stores it at
+            slot ``(positions.max() + 1) % C`` in all four, then calls :meth:`advance`.
+
+        Raises:
+            TypeError: a cache whose storage grows (DynamicCache): its shape and address change.
+            ValueError: nothing cached yet for the layer (prefill it first).
+        """
+        if not self.fixed_shape:
+            raise TypeError(
+                f"{type(self).__name__} grows its storage, so a compiled step cannot write into "
+                f"it. Fix: decode with a StaticCache(max_length) (or a SlidingWindowCache for "
+                f"sliding-window models)."
+            )
+        layer = self._layers.get(layer_idx)
+        if layer is None:
+            raise ValueError(
+                f"layer_idx {layer_idx} has nothing cached yet: prefill the cache (an update of "
+                f"every layer) before writing it through buffers()."
+            )
+        return layer.keys, layer.values, layer.positions, layer.real
+
+    def advance(self, num_tokens: int = 1) -> None:
+        """Count ``num_tokens`` tokens that a compiled step wrote through :meth:`buffers`."""
+        for layer in self._layers.values():
+            layer.length += num_tokens
+            layer.view = (layer.keys, layer.values, layer.positions, layer.real)
 
     # -- for subclasses -------------------------------------------------------------------------
 
@@ -268,6 +336,7 @@ class StaticCache(Cache):
     """
 
     in_order = False  # S = max_length, not P + L: alignment needs the explicit mask
+    fixed_shape = True
 
     def __init__(self, max_length: int, num_layers: int | None = None) -> None:
         super().__init__(num_layers)
@@ -301,6 +370,7 @@ class SlidingWindowCache(Cache):
     """
 
     in_order = False  # ring order: positions are tracked per slot
+    fixed_shape = True
 
     def __init__(self, window: int, num_layers: int | None = None) -> None:
         super().__init__(num_layers)
