@@ -1,5 +1,6 @@
-"""Complete models built from attnlab layers."""
+"""Complete models built from attnlab layers, and their compiled decode step."""
 
+from attnlab.models.decode import DecodeStep
 from attnlab.models.llama import LlamaConfig, LlamaModel
 
-__all__ = ["LlamaConfig", "LlamaModel"]
+__all__ = ["DecodeStep", "LlamaConfig", "LlamaModel"]

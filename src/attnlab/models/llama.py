@@ -9,6 +9,14 @@ One block::
 
     x -> RMSNorm -> MultiHeadAttention (causal, GQA, RoPE) -> + x -> RMSNorm -> SwiGLU MLP -> + .
 
+Two paths, side by side. :meth:`LlamaModel.forward` is the readable one: every layer's attention
+is one call of ``MultiHeadAttention`` (any cache, any number of new tokens). :meth:`LlamaModel.
+forward_step` is the decode fast path that :class:`attnlab.models.decode.DecodeStep` compiles: one
+new token per row against a fixed-shape cache's storage, written in place, with the slot and
+the mask computed once per step on the device (not once per layer), so that the step holds no
+Python number that changes from token to token. ``generate(..., compile=True)``
+uses it; the tests check that both paths give the same tokens.
+
 References: Touvron et al., "LLaMA", 2023; Zhang & Sennrich, "Root Mean Square Layer
 Normalization", 2019; Shazeer, "GLU Variants Improve Transformer", 2020.
 """
@@ -20,8 +28,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from attnlab import functional as AF
 from attnlab.cache import Cache, DynamicCache, SlidingWindowCache, StaticCache
+from attnlab.functional.rotary import apply_rotary_qk
 from attnlab.nn import MultiHeadAttention
+
+# generate(compile=True) rounds a static cache's length up to a multiple of this, so prompts of
+# nearby lengths reuse one compiled step instead of compiling one each.
+CACHE_LENGTH_STEP = 64
 
 
 @dataclass
@@ -101,9 +115,28 @@ class Block(nn.Module):
         )
         attn, weights = attn if return_weights else (attn, None)
         x = x + attn
+        return self._mlp(x), weights
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = self.mlp_norm(x)
-        x = x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))  # SwiGLU
-        return x, weights
+        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))  # SwiGLU
+
+    def forward_step(self, x, mask, position_ids, slot, keys, values):
+        """The decode fast path of one block: x (B, 1, D), mask (B, 1, 1, C), position_ids
+        (B, 1), slot (1,); keys/values (B, Hkv, C, E) this layer's cache storage (written at
+        ``slot``) -> (B, 1, D). The same computation as :meth:`forward` with a cache."""
+        attn = self.attn
+        B, H, Hkv, E = x.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
+        h = self.attn_norm(x)
+        q = attn.q_proj(h).view(B, 1, H, E).transpose(1, 2)  # (B, 1, H*E) -> (B, H, 1, E)
+        k = attn.k_proj(h).view(B, 1, Hkv, E).transpose(1, 2)  # (B, 1, Hkv*E) -> (B, Hkv, 1, E)
+        v = attn.v_proj(h).view(B, 1, Hkv, E).transpose(1, 2)
+        q, k = apply_rotary_qk(q, k, position_ids, attn.rope_base)
+        keys.index_copy_(2, slot, k)  # the new token's key/value into its slot, in place
+        values.index_copy_(2, slot, v)
+        out = AF.scaled_dot_product_attention(q, keys, values, mask)  # (B, H, 1, E)
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(B, 1, H * E))  # -> (B, 1, H*E) -> D
+        return self._mlp(x)
 
 
 class LlamaModel(nn.Module):
@@ -135,11 +168,15 @@ class LlamaModel(nn.Module):
         key_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         return_weights: bool = False,
+        logits_to_keep: int = 0,
     ):
         """(B, L) token ids -> (B, L, vocab) logits [, per-layer weights (B, H, L, S)].
 
         ``key_mask`` (B, L), True = real token (left padding for batched prompts);
         with padding, positions count from each row's first real token.
+        ``logits_to_keep`` > 0: logits of the last that many positions only (B, n, vocab), as
+        Hugging Face's argument: a prefill needs the last one (projecting every prompt position
+        onto the vocabulary is a fifth of a prefill's work at SmolLM2's shape).
         """
         if key_mask is not None and position_ids is None:
             past = 0 if cache is None else cache.get_seq_length(0)
@@ -158,8 +195,58 @@ class LlamaModel(nn.Module):
                 return_weights=return_weights,
             )
             all_weights.append(w)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
         logits = self.lm_head(self.norm(x))
         return (logits, all_weights) if return_weights else logits
+
+    def forward_step(
+        self,
+        input_ids: torch.Tensor,
+        buffers: tuple[tuple[torch.Tensor, ...], ...],
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One new token per row against a fixed-shape cache: what a compiled step runs.
+
+        The cache's storage is written in place; the caller counts the token afterwards
+        (``cache.advance(1)``). Prefer :class:`attnlab.models.decode.DecodeStep`, which checks
+        the cache, compiles this once and does the counting.
+
+        Everything that moves from step to step is a tensor computed here, from the positions
+        tensor of the cache (C slots, -1 = empty)::
+
+            t    = positions.max() + 1          the new token's index in the sequence
+            slot = t % C                        StaticCache: t itself; SlidingWindowCache: ring
+            mask = (positions >= 0) & real      (B, C): filled, non-padding slots, the new one
+                   [& (t - positions < window)]  included; every one of them is at or before t
+
+        Args:
+            input_ids: (B, 1) the new tokens.
+            buffers: per layer ``cache.buffers(i)``: keys (B, Hkv, C, E), values (B, Hkv, C, E),
+                positions (C,), real (B, C).
+            position_ids: (B, 1) rotary positions of the new tokens (left-padded rows count
+                from their first real token); None: ``t`` for every row.
+
+        Returns:
+            (B, 1, vocab) logits.
+        """
+        B = input_ids.shape[0]
+        positions = buffers[0][2]
+        t = positions.max().add(1).view(1)  # (1,), on the device: no host sync
+        slot = t % positions.shape[0]
+        if position_ids is None:
+            position_ids = t.expand(B, 1)
+        for _, _, layer_positions, layer_real in buffers:  # keep every layer's record exact
+            layer_positions.index_copy_(0, slot, t)
+            layer_real.index_fill_(1, slot, True)
+        allowed = (positions >= 0)[None, :] & buffers[0][3]  # (B, C)
+        if self.cfg.sliding_window is not None:
+            allowed = allowed & (t - positions < self.cfg.sliding_window)[None, :]
+        mask = allowed[:, None, None, :]  # (B, C) -> (B, 1, 1, C), shared by every layer
+        x = self.embed(input_ids)
+        for block, (keys, values, _, _) in zip(self.blocks, buffers, strict=True):
+            x = block.forward_step(x, mask, position_ids, slot, keys, values)
+        return self.lm_head(self.norm(x))
 
     def make_cache(self, kind: str = "dynamic", max_length: int | None = None) -> Cache:
         """A cache for this model: ``"dynamic"``, ``"static"`` (needs max_length), ``"sliding"``."""
@@ -181,15 +268,47 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         max_new_tokens: int,
         *,
-        cache: str | Cache = "dynamic",
+        cache: str | Cache | None = None,
         key_mask: torch.Tensor | None = None,
         eos_token_id: int | None = None,
+        compile: bool = False,
     ) -> torch.Tensor:
-        """Greedy decoding with a KV cache: (B, P) prompt -> (B, P + new) tokens."""
+        """Greedy decoding with a KV cache: (B, P) prompt -> (B, P + new) tokens.
+
+        Args:
+            input_ids: (B, P) prompt token ids (left-padded when ``key_mask`` is given).
+            max_new_tokens: tokens to generate per row.
+            cache: ``"dynamic"``, ``"static"``, ``"sliding"`` or a cache object; default
+                ``"static"`` with ``compile=True``, else ``"dynamic"``.
+            key_mask: (B, P) bool, True = real token (left padding).
+            eos_token_id: rows stop at it (later tokens of a stopped row repeat it).
+            compile: decode with a compiled step (:class:`attnlab.models.decode.DecodeStep`):
+                the prompt is prefilled eagerly, then every new token replays one graph
+                captured once by ``torch.compile`` (on CUDA ``mode="reduce-overhead"``: CUDA
+                graphs, one launch per step). Needs a fixed-shape cache (static or sliding); a
+                static cache made here gets a length rounded up to a multiple of
+                ``CACHE_LENGTH_STEP`` so that nearby prompt lengths share a graph. The first call
+                per (batch size, cache length) compiles: seconds on a GPU, tens of seconds on
+                a 2-core CPU; later ones reuse it. Greedy tokens equal those of ``compile=False``.
+
+        Raises:
+            TypeError: ``compile=True`` with a dynamic cache (its storage grows); the fix is
+                ``cache="static"``.
+        """
+        from attnlab.models.decode import DecodeStep
+
         B, P = input_ids.shape
+        if cache is None:
+            cache = "static" if compile else "dynamic"
         if isinstance(cache, str):
-            cache = self.make_cache(cache, P + max_new_tokens)
-        logits = self(input_ids, cache=cache, key_mask=key_mask)
+            length = P + max_new_tokens
+            if compile and cache == "static":
+                length = -(-length // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
+            cache = self.make_cache(cache, length)
+        step = DecodeStep(self) if compile else None
+        if step is not None:
+            step.check_cache_kind(cache)  # before the prefill: fail fast
+        logits = self(input_ids, cache=cache, key_mask=key_mask, logits_to_keep=1)
         if key_mask is None:
             next_pos = torch.full((B, 1), P, dtype=torch.long, device=input_ids.device)
         else:
@@ -204,7 +323,10 @@ class LlamaModel(nn.Module):
             tokens.append(nxt)
             if eos_token_id is not None and done.all():
                 break
-            logits = self(nxt, cache=cache, position_ids=next_pos)
+            if step is None:
+                logits = self(nxt, cache=cache, position_ids=next_pos)
+            else:
+                logits = step(nxt, cache, position_ids=next_pos)
             next_pos = next_pos + 1
         return torch.cat(tokens, dim=1)
 

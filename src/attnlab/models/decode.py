@@ -1,0 +1,201 @@
+"""A compiled decode step: captured once, replayed for every new token (gpt-fast's recipe).
+
+Generating a token runs the same small computation again and again: for a 135M-parameter model,
+a few hundred small kernels per step. On a GPU their launch overhead, not the arithmetic or the
+memory traffic, sets the speed; on a CPU, Python dispatch adds to the memory-bound matrix-vector
+products. The recipe:
+
+1. a fixed-shape cache (:class:`attnlab.cache.StaticCache`), so that every step sees the same
+   shapes, at the same addresses;
+2. nothing in the step that changes from token to token except tensors: the slot, the mask and
+   the rotary positions are computed on the device from the cache's positions tensor (no Python
+   int, no host sync), so one graph serves every step;
+3. ``torch.compile`` of that step, once (on CUDA with ``mode="reduce-overhead"``: the step is
+   recorded as a CUDA graph and replayed as one launch);
+4. the prompt's prefill separate and eager (its length varies from call to call)::
+
+       prefill (eager, any P)          step (compiled once)          step (replayed) ...
+       prompt -> slots 0..P-1          token -> slot P, logits       token -> slot P + 1
+
+A :class:`DecodeStep` is bound to one cache geometry (batch size, slots, dtype, device, cache
+kind): the first call compiles for it, and a cache of another geometry is refused with the fix
+(shapes are part of the graph; build another ``DecodeStep`` for it). The batch can be reordered
+in place between steps (beam search: ``cache.reorder(index)`` with the same batch size).
+
+Example:
+    >>> from attnlab.models import LlamaConfig, LlamaModel
+    >>> model = LlamaModel(LlamaConfig(vocab_size=100, d_model=32, num_layers=2, num_heads=4,
+    ...                                num_kv_heads=2, d_ff=64)).eval()
+    >>> prompt = torch.tensor([[1, 2, 3]])
+    >>> cache = model.make_cache("static", max_length=16)
+    >>> step = DecodeStep(model)                                      # doctest: +SKIP
+    >>> with torch.no_grad():                                         # doctest: +SKIP
+    ...     token = model(prompt, cache=cache)[:, -1:].argmax(-1)     # prefill, eager
+    ...     for _ in range(4):
+    ...         token = step(token, cache)[:, -1:].argmax(-1)         # compiled once, replayed
+
+For models built from :class:`attnlab.nn.MultiHeadAttention` without a ``forward_step``, the
+recipe is to compile the model's own cached forward (``test_decode_compiled.py`` runs it)::
+
+    step = torch.compile(lambda tok, pos: model(tok, cache=cache, position_ids=pos),
+                         fullgraph=True)
+
+It is one graph (no break) and stops recompiling after the second step: the layer reads the
+cache's length as a Python int, which torch.compile turns into a symbolic int after it has seen
+it change once. On CUDA pass ``mode="max-autotune-no-cudagraphs"`` (or the default mode): a CUDA
+graph is recorded per value of that int, i.e. per step.
+
+References: PyTorch team, "Accelerating Generative AI with PyTorch II: GPT, Fast" (gpt-fast),
+2023; Pope et al., "Efficiently Scaling Transformer Inference", 2022.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from attnlab.cache import Cache, SlidingWindowCache, StaticCache
+
+__all__ = ["DecodeStep"]
+
+
+class DecodeStep:
+    """One decode step of ``model`` compiled for a fixed-shape cache: ``step(tokens, cache)``.
+
+    Args:
+        model: a model with ``forward_step(input_ids, buffers, position_ids)`` and ``cfg``
+            (:class:`attnlab.models.LlamaModel`).
+        mode: ``torch.compile`` mode; default ``"reduce-overhead"`` (CUDA graphs) on CUDA and
+            the default mode elsewhere (CUDA graphs do not exist on CPU).
+        backend: ``torch.compile`` backend (``"inductor"``; tests pass a counting one).
+        compile: False runs the same fast path eagerly (no compilation).
+
+    Calling it with ``tokens`` (B, 1), a prefilled StaticCache (or SlidingWindowCache for a
+    sliding-window model) and optional ``position_ids`` (B, 1) appends the tokens to the cache
+    and returns (B, 1, vocab) logits, as ``model(tokens, cache=cache, position_ids=...)`` would.
+
+    Raises:
+        TypeError: a cache whose storage grows (DynamicCache).
+        ValueError: a cache of another geometry than the first one it saw (another batch size
+            or length), a batch that changed without ``cache.reorder``, a full static cache, an
+            empty or partly filled cache, tokens not (B, 1).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        mode: str | None = None,
+        backend: str | Callable = "inductor",
+        compile: bool = True,
+    ) -> None:
+        if not hasattr(model, "forward_step"):
+            raise TypeError(
+                f"{type(model).__name__} has no forward_step(input_ids, buffers, position_ids). "
+                f"Fix: compile its cached forward instead (see attnlab.models.decode)."
+            )
+        self.model = model
+        self.mode, self.backend, self.compile = mode, backend, compile
+        self.geometry: tuple | None = None  # (kind, batch, slots, dtype, device), on first call
+        self._fn: Callable | None = None
+        self._cuda_graphs = False
+
+    def check_cache_kind(self, cache: Cache) -> None:
+        """Refuse, before any work, a cache this step cannot write (with the fix)."""
+        if not isinstance(cache, StaticCache | SlidingWindowCache):
+            raise TypeError(
+                f"a compiled decode step needs a fixed-shape cache; got {type(cache).__name__}, "
+                f"whose storage grows. Fix: cache='static' (StaticCache(max_length)), or "
+                f"compile=False."
+            )
+        window = self.model.cfg.sliding_window
+        if isinstance(cache, SlidingWindowCache) and (window is None or window > cache.window):
+            raise ValueError(
+                f"a SlidingWindowCache of window {cache.window} drops keys this model still "
+                f"attends to (sliding_window={window}). Fix: a StaticCache, or a model with "
+                f"sliding_window <= {cache.window}."
+            )
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        cache: Cache,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        self._check(tokens, cache, position_ids)
+        # A view such as tokens[:, -1:] has the strides of its base, which grow every step:
+        # the graph is specialised to strides, so hand it contiguous (B, 1) tensors.
+        tokens = tokens.contiguous()
+        if position_ids is not None:
+            position_ids = position_ids.contiguous()
+        buffers = tuple(cache.buffers(i) for i in range(self.model.cfg.num_layers))
+        if self._fn is None:
+            self._fn = self._build(tokens.device)
+        with torch.no_grad():
+            if self._cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are done
+            logits = self._fn(tokens, buffers, position_ids)
+        cache.advance(1)
+        # A CUDA graph's outputs live in its memory pool and the next replay overwrites them.
+        return logits.clone() if self._cuda_graphs else logits
+
+    def _build(self, device: torch.device) -> Callable:
+        fn = self.model.forward_step
+        if not self.compile:
+            return fn
+        mode = self.mode
+        if mode is None and device.type == "cuda" and self.backend == "inductor":
+            mode = "reduce-overhead"
+        self._cuda_graphs = mode == "reduce-overhead" and device.type == "cuda"
+        # dynamic=False: one graph specialised to this geometry (a CUDA graph needs fixed shapes,
+        # and the CPU code is faster with constant sizes); fullgraph: a break would be a bug.
+        return torch.compile(fn, mode=mode, backend=self.backend, fullgraph=True, dynamic=False)
+
+    def _check(self, tokens: torch.Tensor, cache: Cache, position_ids) -> None:
+        self.check_cache_kind(cache)
+        num_layers = self.model.cfg.num_layers
+        lengths = {cache.get_seq_length(i) for i in range(num_layers)}
+        if 0 in lengths or len(lengths) != 1:
+            raise ValueError(
+                f"the cache must hold the prompt in all {num_layers} layers before a decode "
+                f"step; got lengths {sorted(lengths)}. Fix: prefill it with model(prompt, "
+                f"cache=cache) first (the prefill is not part of the compiled step)."
+            )
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[1] != 1:
+            got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens)
+            raise ValueError(
+                f"a decode step takes one token per row, tokens (B, 1); got {got}. Fix: "
+                f"tokens[:, None] for (B,) ids; several new tokens go through model(tokens, "
+                f"cache=cache)."
+            )
+        if tokens.shape[0] != cache.batch_size:
+            raise ValueError(
+                f"batch size changed from {cache.batch_size} (the cache) to {tokens.shape[0]} "
+                f"(the tokens) without reorder(). Fix: cache.reorder(index) to follow beams or "
+                f"filter rows, or reset() the cache and prefill the new batch."
+            )
+        if position_ids is not None and position_ids.shape != tokens.shape:
+            raise ValueError(
+                f"position_ids must be (B, 1) = {tuple(tokens.shape)} like the tokens; got "
+                f"{tuple(position_ids.shape)}."
+            )
+        length = lengths.pop()
+        if isinstance(cache, StaticCache) and length >= cache.max_length:
+            raise ValueError(
+                f"StaticCache of max_length={cache.max_length} is full ({length} tokens). Fix: "
+                f"StaticCache(max_length >= {length + 1})."
+            )
+        keys = cache.buffers(0)[0]
+        geometry = (type(cache).__name__, cache.batch_size, cache.capacity, keys.dtype, keys.device)
+        if self.geometry is None:
+            self.geometry = geometry
+        elif geometry != self.geometry:
+            kind, batch, slots, dtype, device = self.geometry
+            raise ValueError(
+                f"this decode step was compiled for a {kind} of batch {batch} x {slots} slots "
+                f"({dtype}, {device}); got a {geometry[0]} of batch {geometry[1]} x "
+                f"{geometry[2]} slots ({geometry[3]}, {geometry[4]}). Fix: a new "
+                f"DecodeStep(model) for this cache, or a cache of the step's size "
+                f"(StaticCache(max_length={slots}) for batch {batch})."
+            )
