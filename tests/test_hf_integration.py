@@ -765,3 +765,79 @@ def test_weights_from_real_model_example():
     assert result["weights"].shape == (6, 12, 13, 13)
     assert result["max_abs_diff_vs_eager"] < 1e-4
     assert 'attends most to "river"' in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face's static cache under torch.compile (issue 11): one graph, the tokens of "sdpa"
+
+
+def test_static_cache_compiled_forward_has_no_graph_break_and_generates_sdpa_tokens():
+    """fullgraph=True on the forward (prefill with and without padding, then decode steps with a
+    StaticCache) proves attnlab's attention adds no graph break; compiled greedy generation
+    with cache_implementation="static" gives the tokens of sdpa."""
+    from torch._dynamo.utils import counters
+
+    integ.register()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=120,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(3, 120, (2, 9), generator=torch.Generator().manual_seed(0))
+    padded = torch.ones_like(ids)
+    padded[1, :3] = 0
+    compiled = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+
+    def decode(forward, mask, steps=4):
+        cache = transformers.StaticCache(config=config, max_cache_len=16)
+        out = forward(input_ids=ids, attention_mask=mask, cache=cache)
+        logits, token = [out.logits[:, -1]], out.logits[:, -1:].argmax(-1)
+        for t in range(steps):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            out = forward(
+                input_ids=token,
+                attention_mask=mask,
+                cache=cache,
+                cache_position=torch.tensor([ids.shape[1] + t]),
+                position_ids=mask.sum(1, keepdim=True) - 1,
+            )
+            logits.append(out.logits[:, -1])
+            token = out.logits[:, -1:].argmax(-1)
+        return torch.stack(logits, 1)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for mask in (torch.ones_like(ids), padded):
+            with using(model, "attnlab"):
+                got, eager_attnlab = decode(compiled, mask), decode(model, mask)
+            with using(model, "sdpa"):
+                sdpa = decode(model, mask)
+            with using(model, "eager"):
+                eager = decode(model, mask)
+            check("static cache, compiled forward vs sdpa", got, eager, sdpa)
+            torch.testing.assert_close(got, eager_attnlab, rtol=0, atol=1e-5)
+
+        compile_config = transformers.CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+        compile_config._compile_all_devices = True  # Hugging Face compiles on accelerators only
+        counters.clear()
+        tokens = {}
+        for impl in ("sdpa", "attnlab"):
+            with using(model, impl):
+                tokens[impl] = model.generate(
+                    input_ids=ids,
+                    attention_mask=padded,
+                    max_new_tokens=6,
+                    do_sample=False,
+                    cache_implementation="static",
+                    compile_config=compile_config,
+                    pad_token_id=0,
+                )
+    assert counters["stats"]["unique_graphs"] >= 2  # generate compiled a step for each
+    torch._dynamo.reset()
+    assert torch.equal(tokens["attnlab"], tokens["sdpa"])
