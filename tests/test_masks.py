@@ -127,3 +127,13 @@ def test_structure_carried_by_masks_describes_the_same_mask():
             d = torch.arange(S)[None, :] - (torch.arange(L)[:, None] + offset)
             assert torch.equal(m.as_subclass(torch.Tensor), (d >= lo) & (d <= hi))
     assert not hasattr(masks.and_masks(pad, pad), "key_range")  # operations drop it
+
+
+def test_explain_says_why_the_triton_kernels_do_not_serve_cpu_tensors():
+    import attnlab
+
+    q = torch.randn(1, 2, 5, 8)
+    d = attnlab.explain(q, q, q, masks.padding_mask([3], 5))
+    assert d.path == "fused" and "not the Triton kernels: CPU tensors" in str(d)
+    d = attnlab.explain(q, q, q, return_weights=True)
+    assert d.path == "weights" and "TRITON_INTERPRET=1" in str(d)

@@ -102,6 +102,7 @@ def _choose(
     structure=(None, None),
     *,
     why: bool = True,
+    triton: bool = True,
 ) -> Dispatch:
     """The path of a call; ``why=False`` skips writing the fused path's reasons (hot path)."""
     if 0 in query.shape or 0 in key.shape[-2:]:
@@ -126,13 +127,18 @@ def _choose(
                 + " -- the blocked weights backward takes float32/float64 and a constant mask",
             ),
         )
-    if return_weights or structure != (None, None):
+    if triton and (return_weights or structure != (None, None)):
         training = _needs_grad(query, key, value, attn_mask)
         unfit = _triton.unfit(query, key, value, attn_mask, dropout_p, training, return_weights)
         if unfit is None:
             return Dispatch(
                 "triton", (_triton.describe(query, key, return_weights, *structure, training),)
             )
+        if why:  # say why attnlab's own kernels do not serve this call
+            chosen = _choose(
+                query, key, attn_mask, alignment, dropout_p, return_weights, value, triton=False
+            )
+            return Dispatch(chosen.path, (*chosen.reasons, f"not the Triton kernels: {unfit}"))
     if return_weights:
         heads, rows = block_shape(
             query.shape[1], query.shape[2], key.shape[2], query.element_size()
