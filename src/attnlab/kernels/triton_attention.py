@@ -242,20 +242,36 @@ def _dot_mode(dtype: torch.dtype) -> int:
     return 2 if INTERPRET else 0
 
 
-def _blocks(E: int, Ev: int) -> tuple[int, int, int, int, int]:
-    """BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, num_warps for these head dims.
+# GPU tiles per kernel: (16-bit inputs?, largest head dim) -> (BLOCK_M, BLOCK_N, warps, stages).
+# Chosen by compiling every kernel ahead of time for sm_90 (Triton 3.9 and its ptxas, no GPU at
+# hand) with a bool mask, key ranges and a band on, the heaviest case: the largest tiles that do
+# not spill registers and fit the H100's 227 KiB of shared memory. float32 and head dim 256 spill
+# at every size tried: they get the smallest tiles. To be confirmed by timing on an H100
+# (benchmarks/bench_gpu.py).
+TILES = {
+    "forward": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3)},
+    "weights": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3)},
+    "backward": {(True, 64): (64, 32, 4, 2), (True, 128): (64, 32, 4, 2)},
+    "decode": {(True, 64): (0, 64, 4, 2), (True, 128): (0, 32, 4, 2), (False, 64): (0, 32, 4, 2),
+               (False, 128): (0, 32, 4, 2)},
+}  # fmt: skip
+SMALLEST = (32, 32, 4, 1)
 
-    On a GPU: 128 x 64 tiles up to head dim 128 (the tutorial's choice for Hopper), 64 x 32 at
-    256 to stay within shared memory. The interpreter runs each program in NumPy: 32 x 32
-    tiles keep small test shapes quick while still crossing several tiles.
+
+def _blocks(E: int, Ev: int, dtype: torch.dtype = torch.bfloat16, kernel: str = "forward"):
+    """BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, num_warps, num_stages for a kernel and head dims.
+
+    On a GPU: :data:`TILES`. The interpreter runs each program in NumPy: 32 x 32 tiles keep
+    small test shapes quick while still crossing several tiles.
     """
     BE = max(16, triton.next_power_of_2(E))
     BEV = max(16, triton.next_power_of_2(Ev))
     if INTERPRET:
-        return 32, 32, BE, BEV, 4
-    if max(BE, BEV) <= 128:
-        return 128, 64, BE, BEV, 4 if max(BE, BEV) <= 64 else 8
-    return 64, 32, BE, BEV, 8
+        return 32, 32, BE, BEV, 4, 1
+    width = max(BE, BEV)
+    key = (dtype != torch.float32, 64 if width <= 64 else width)
+    BM, BN, warps, stages = TILES[kernel].get(key, SMALLEST)
+    return BM, BN, BE, BEV, warps, stages
 
 
 def _mask_args(mask: torch.Tensor | None, q: torch.Tensor, S: int):
@@ -330,7 +346,7 @@ def attention_forward(
     kind, m, ms = _mask_args(mask, q, S)
     has_range, start, end, srb, srl = _range_args(key_range, q)
     has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
-    BM, BN, BE, BEV, warps = _blocks(E, Ev)
+    BM, BN, BE, BEV, warps, stages = _blocks(E, Ev, q.dtype, "forward")
     grid = (triton.cdiv(L, BM), B * H)
     _forward_kernel[grid](
         q, k, v, m, start, end, out, lse,
@@ -338,7 +354,7 @@ def attention_forward(
         H, H // Hkv, L, S, E, Ev, scale, offset, band_lo, band_hi,
         BAND=has_band, MASK=kind, HAS_RANGE=has_range,
         DOT=_dot_mode(q.dtype),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=warps,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out, lse
 
@@ -369,8 +385,7 @@ def attention_weights(
     kind, m, ms = _mask_args(mask, q, S)
     has_range, start, end, srb, srl = _range_args(key_range, q)
     has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
-    BM, BN, BE, _, warps = _blocks(E, E)
-    BN = min(BN * 2, 128) if not INTERPRET else BN  # no V tile here: wider tiles fit
+    BM, BN, BE, _, warps, stages = _blocks(E, E, q.dtype, "weights")
     grid = (triton.cdiv(L, BM), triton.cdiv(S, BN), B if average else B * H)
     _weights_kernel[grid](
         q, k, m, start, end, lse, out,
@@ -378,7 +393,7 @@ def attention_weights(
         H, H // Hkv, L, S, E, scale, offset, band_lo, band_hi,
         BAND=has_band, MASK=kind, HAS_RANGE=has_range,
         DOT=_dot_mode(q.dtype), AVERAGE=average,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, num_warps=warps,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 

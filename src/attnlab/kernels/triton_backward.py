@@ -188,11 +188,10 @@ def attention_backward(q, k, v, out, lse, grad_out, mask, alignment, scale, key_
     kind, m, ms = _mask_args(mask, q, S)
     has_range, start, end, srb, srl = _range_args(key_range, q)
     has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
-    BM, BN, BE, BEV, warps = _blocks(E, Ev)
-    BM, BN = min(BM, 64), min(BN, 64)  # three tiles of gradients live at once: smaller tiles
+    BM, BN, BE, BEV, warps, stages = _blocks(E, Ev, q.dtype, "backward")
     common = dict(
         BAND=has_band, MASK=kind, HAS_RANGE=has_range, DOT=_dot_mode(q.dtype),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=warps,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     strides = (*q.stride(), *k.stride(), *v.stride(), *ms, srb, srl)
     _dkdv_kernel[(triton.cdiv(S, BN), B * Hkv)](

@@ -35,7 +35,14 @@ import triton
 import triton.language as tl
 
 from attnlab.kernels._triton import INTERPRET
-from attnlab.kernels.triton_attention import _dot, _dot_mode, _mask_args, _range_args, band_args
+from attnlab.kernels.triton_attention import (
+    _blocks,
+    _dot,
+    _dot_mode,
+    _mask_args,
+    _range_args,
+    band_args,
+)
 
 MAX_ROWS = 64  # G * L rows in one tile; more: the prefill kernel serves
 
@@ -165,9 +172,7 @@ def decode_attention(
     G = H // Hkv
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     BR = max(16, triton.next_power_of_2(G * L))
-    BE = max(16, triton.next_power_of_2(E))
-    BEV = max(16, triton.next_power_of_2(Ev))
-    BN = 32 if INTERPRET else 64
+    _, BN, BE, BEV, warps, stages = _blocks(E, Ev, q.dtype, "decode")
     nsplit = _splits(B, Hkv, S, BN)
     chunk = triton.cdiv(triton.cdiv(S, nsplit), BN) * BN
     nsplit = triton.cdiv(S, chunk)
@@ -185,7 +190,7 @@ def decode_attention(
         H, Hkv, G, L, S, E, Ev, scale, offset, band_lo, band_hi, chunk, nsplit,
         BAND=has_band, MASK=kind, HAS_RANGE=has_range,
         SCORES=bool(return_weights), DOT=_dot_mode(q.dtype),
-        BLOCK_R=BR, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=4,
+        BLOCK_R=BR, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     # merge the splits by their log-sum-exp: (B, Hkv, nsplit, G*L, ...) -> (B, Hkv, G*L, ...)
     top = mx.amax(2, keepdim=True)
