@@ -54,7 +54,7 @@ class _Blocks:
         Hkv, S = k.shape[1], k.shape[2]
         self.shape = (B, H, L, S)
         self.heads, self.rows = block_shape(H, L, S, q.element_size(), nbytes)
-        G = H // Hkv
+        self.G = G = H // Hkv
         if self.heads >= G:  # whole kv groups per block (see fold)
             self.heads -= self.heads % G
         self.kv_head = torch.arange(H, device=q.device) // (H // Hkv)  # head h reads h // G
@@ -76,8 +76,7 @@ class _Blocks:
         kv groups, all rows, nothing to mask row by row -- else None. Folded, a block is
         ``(h, L, *) -> (h / G, G * L, *)`` views and its K, V are slices: no copy of them per
         query head (what decoding with weights needs)."""
-        B, H, L, _ = self.shape
-        G = H // (int(self.kv_head[-1]) + 1)
+        L, G = self.shape[2], self.G
         h = hs.stop - hs.start
         if G == 1 or rs.stop - rs.start != L or h % G or self.can_die:
             return None

@@ -105,6 +105,8 @@ def _choose(
     triton: bool = True,
 ) -> Dispatch:
     """The path of a call; ``why=False`` skips writing the fused path's reasons (hot path)."""
+    # traced (torch.compile, torch.export): torch's ops, which the graph can hold
+    compiling = torch.compiler.is_compiling()
     if 0 in query.shape or 0 in key.shape[-2:]:
         return Dispatch(
             "eager",
@@ -127,7 +129,7 @@ def _choose(
                 + " -- the blocked weights backward takes float32/float64 and a constant mask",
             ),
         )
-    if triton and (return_weights or structure != (None, None)):
+    if triton and (return_weights or structure != (None, None)) and not compiling:
         training = _needs_grad(query, key, value, attn_mask)
         unfit = _triton.unfit(query, key, value, attn_mask, dropout_p, training, return_weights)
         if unfit is None:
