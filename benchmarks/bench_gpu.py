@@ -236,6 +236,20 @@ def bench_overhead(args) -> None:
         )
 
 
+def pick_device(args, script: str) -> bool:
+    """Set ``args.device`` (CUDA, or CPU for ``--smoke``); False, said, when there is none."""
+    if torch.cuda.is_available() and not args.smoke:
+        args.device = "cuda"
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    elif args.smoke:
+        args.device, args.rounds = "cpu", min(args.rounds, 2)
+        print("smoke run on CPU: checks the script only; the times mean nothing")
+    else:
+        print(f"{script}: no CUDA device here; nothing to measure (--smoke checks the script)")
+        return False
+    return True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", choices=["weights", "padding", "overhead", "additive"])
@@ -244,16 +258,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
-    if torch.cuda.is_available() and not args.smoke:
-        args.device = "cuda"
-        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    elif args.smoke:
-        args.device, args.rounds = "cpu", min(args.rounds, 2)
-        print("smoke run on CPU: checks the script only; the times mean nothing")
-    else:
-        print(
-            "bench_gpu: no CUDA device here; nothing to measure (use --smoke to check the script)"
-        )
+    if not pick_device(args, "bench_gpu"):
         return 0
     chosen = [args.only] if args.only else ["weights", "padding", "overhead", "additive"]
     for name in chosen:

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attnlab.functional as AF  # noqa: E402
 from attnlab.functional.additive import explain_additive  # noqa: E402
-from bench_gpu import peak_mib, round_robin, row  # noqa: E402
+from bench_gpu import peak_mib, pick_device, round_robin, row  # noqa: E402
 
 SHAPE = {"B": 8, "L": 1024, "S": 1024, "D": 256, "A": 256}
 SMOKE_SHAPE = {"B": 2, "L": 40, "S": 24, "D": 16, "A": 8}
@@ -239,14 +239,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time other tile sizes")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
-    if torch.cuda.is_available() and not args.smoke:
-        args.device = "cuda"
-        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    elif args.smoke:
-        args.device, args.rounds = "cpu", min(args.rounds, 2)
-        print("smoke run on CPU: checks the script only; the times mean nothing")
-    else:
-        print("bench_gpu_additive: no CUDA device here; nothing to measure (--smoke checks it)")
+    if not pick_device(args, "bench_gpu_additive"):
         return 0
     run(args)
     return 0
