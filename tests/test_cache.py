@@ -203,3 +203,20 @@ def test_buffers_and_advance():
     dynamic.update(k, k, 0)
     with pytest.raises(TypeError, match="grows its storage.*StaticCache"):
         dynamic.buffers(0)
+
+
+@pytest.mark.parametrize("kind", ["static", "sliding"])
+def test_reset_keeps_fixed_storage_for_the_next_sequence_of_the_same_shape(kind):
+    layer = make_layer(kind, 4, 2, rope=True)
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(5))
+    cache = make_cache(kind)
+    with torch.no_grad():
+        layer(x, cache=cache)
+        before = cache.buffers(0)[0].data_ptr()
+        cache.reset()
+        again = decode(layer, x, cache, [3, 1, 1, 1])  # the same storage, emptied
+        assert cache.buffers(0)[0].data_ptr() == before
+        torch.testing.assert_close(again, layer(x), rtol=0, atol=1e-6)
+        cache.reset()
+        layer(x[:1], cache=cache)  # another batch size: new storage
+        assert cache.batch_size == 1

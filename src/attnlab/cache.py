@@ -75,6 +75,25 @@ class _Layer:
         else:
             self.real[:, slots] = True
 
+    def fits(self, key: torch.Tensor, value: torch.Tensor, capacity: int) -> bool:
+        """Whether this storage can hold a new sequence of these keys/values."""
+        B, Hkv, _, E = key.shape
+        return (
+            self.keys.shape == (B, Hkv, capacity, E)
+            and self.values.shape[3] == value.shape[3]
+            and self.keys.dtype == key.dtype
+            and self.values.dtype == value.dtype
+            and self.keys.device == key.device
+        )
+
+    def clear(self) -> None:
+        """Empty, in place: zeros (a stale NaN would reach the NaN screen), no positions."""
+        self.keys.zero_()
+        self.values.zero_()
+        self.real.fill_(True)
+        self.positions.fill_(-1)
+        self.length, self.padded, self.view = 0, False, None
+
     def reorder(self, index: torch.Tensor, in_place: bool) -> None:
         for name in ("keys", "values", "real"):
             old = getattr(self, name)
@@ -111,6 +130,7 @@ class Cache:
             raise ValueError(f"num_layers must be a positive int or None; got {num_layers!r}.")
         self.num_layers = num_layers
         self._layers: dict[int, _Layer] = {}
+        self._spare: dict[int, _Layer] = {}  # storage kept by reset() for the next sequence
 
     # -- the interface --------------------------------------------------------------------------
 
@@ -138,9 +158,15 @@ class Cache:
         self._check(key, value, layer_idx, key_mask)
         layer = self._layers.get(layer_idx)
         if layer is None:
-            layer = self._layers[layer_idx] = _Layer(key, value, self._initial_capacity(key))
-            if self.fixed_shape:
-                layer.mark_static()
+            layer = self._spare.pop(layer_idx, None)  # a fixed-shape cache's storage, reset
+            capacity = self._initial_capacity(key)
+            if layer is not None and layer.fits(key, value, capacity):
+                layer.clear()
+            else:
+                layer = _Layer(key, value, capacity)
+                if self.fixed_shape:
+                    layer.mark_static()
+            self._layers[layer_idx] = layer
         start = layer.length
         layer.view = self._store(layer, key, value, key_mask, start)
         layer.length += key.shape[2]
@@ -182,7 +208,14 @@ class Cache:
             layer.view = None  # stale until the next update
 
     def reset(self) -> None:
-        """Forget everything (start a new sequence)."""
+        """Forget everything (start a new sequence).
+
+        A fixed-shape cache keeps its storage, zeroed, for a next sequence of the same batch
+        size, heads, dtype and device: the same addresses, so a compiled step and its CUDA graph
+        serve it without being recorded again.
+        """
+        if self.fixed_shape:
+            self._spare.update(self._layers)
         self._layers.clear()
 
     @property

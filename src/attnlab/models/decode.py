@@ -8,8 +8,8 @@ products. The recipe:
 1. a fixed-shape cache (:class:`attnlab.cache.StaticCache`), so that every step sees the same
    shapes, at the same addresses;
 2. nothing in the step that changes from token to token except tensors: the slot, the mask and
-   the rotary positions are computed on the device from the cache's positions tensor (no Python
-   int, no host sync), so one graph serves every step;
+   (unless given) the rotary positions are computed on the device from the cache's positions
+   tensor (no Python int, no host sync), so one graph serves every step;
 3. ``torch.compile`` of that step, once (on CUDA with ``mode="reduce-overhead"``: the step is
    recorded as a CUDA graph and replayed as one launch);
 4. the prompt's prefill separate and eager (its length varies from call to call)::
@@ -46,7 +46,7 @@ it change once. On CUDA pass ``mode="max-autotune-no-cudagraphs"`` (or the defau
 graph is recorded per value of that int, i.e. per step.
 
 References: PyTorch team, "Accelerating Generative AI with PyTorch II: GPT, Fast" (gpt-fast),
-2023; Pope et al., "Efficiently Scaling Transformer Inference", 2022.
+2023.
 """
 
 from __future__ import annotations
@@ -74,6 +74,12 @@ class DecodeStep:
     Calling it with ``tokens`` (B, 1), a prefilled StaticCache (or SlidingWindowCache for a
     sliding-window model) and optional ``position_ids`` (B, 1) appends the tokens to the cache
     and returns (B, 1, vocab) logits, as ``model(tokens, cache=cache, position_ids=...)`` would.
+    On CUDA graphs the logits are a copy (the graph's own output is overwritten by the next
+    replay).
+
+    Every DecodeStep compiles the same function, ``model.forward_step``: torch.compile keeps
+    ``torch._dynamo.config.recompile_limit`` (8) variants of it per process (models x
+    geometries) and runs further ones eagerly, with a warning.
 
     Raises:
         TypeError: a cache whose storage grows (DynamicCache).
@@ -124,11 +130,11 @@ class DecodeStep:
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._check(tokens, cache, position_ids)
-        # A view such as tokens[:, -1:] has the strides of its base, which grow every step:
-        # the graph is specialised to strides, so hand it contiguous (B, 1) tensors.
-        tokens = tokens.contiguous()
+        # A view such as tokens[:, -1:] has the strides of its base, which grow every step, and
+        # the graph is specialised to strides: hand it (B, 1) tensors of strides (1, 1).
+        tokens = _dense(tokens)
         if position_ids is not None:
-            position_ids = position_ids.contiguous()
+            position_ids = _dense(position_ids)
         buffers = tuple(cache.buffers(i) for i in range(self.model.cfg.num_layers))
         if self._fn is None:
             self._fn = self._build(tokens.device)
@@ -199,3 +205,9 @@ class DecodeStep:
                 f"DecodeStep(model) for this cache, or a cache of the step's size "
                 f"(StaticCache(max_length={slots}) for batch {batch})."
             )
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the contiguous strides of its shape (also for size-1 dims, which
+    ``contiguous()`` leaves as they are)."""
+    return t if t.stride() == (1, 1) else t.clone(memory_format=torch.contiguous_format)

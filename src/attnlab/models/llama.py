@@ -23,6 +23,7 @@ Normalization", 2019; Shazeer, "GLU Variants Improve Transformer", 2020.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,19 @@ from attnlab.nn import MultiHeadAttention
 # generate(compile=True) rounds a static cache's length up to a multiple of this, so prompts of
 # nearby lengths reuse one compiled step instead of compiling one each.
 CACHE_LENGTH_STEP = 64
+
+# model -> the StaticCache its last generate(compile=True) used, reset and reused by the next
+# call of the same length: a CUDA graph replays over the cache's addresses, and a new cache per
+# call would record the graph again every time. Weak: the cache goes with its model.
+_GENERATE_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _reused_static_cache(model: LlamaModel, length: int) -> StaticCache:
+    cache = _GENERATE_CACHES.get(model)
+    if cache is None or cache.max_length != length:
+        cache = _GENERATE_CACHES[model] = model.make_cache("static", length)
+    cache.reset()  # storage kept (zeroed) when the batch, dtype and device are the same
+    return cache
 
 
 @dataclass
@@ -289,7 +303,10 @@ class LlamaModel(nn.Module):
                 static cache made here gets a length rounded up to a multiple of
                 ``CACHE_LENGTH_STEP`` so that nearby prompt lengths share a graph. The first call
                 per (batch size, cache length) compiles: seconds on a GPU, tens of seconds on
-                a 2-core CPU; later ones reuse it. Greedy tokens equal those of ``compile=False``.
+                a 2-core CPU; later ones reuse it. That static cache is kept with the model and
+                reset for the next call (the same storage: a CUDA graph holds its address), so
+                concurrent calls on one model must pass their own caches. Greedy tokens equal
+                those of ``compile=False``.
 
         Raises:
             TypeError: ``compile=True`` with a dynamic cache (its storage grows); the fix is
@@ -304,7 +321,9 @@ class LlamaModel(nn.Module):
             length = P + max_new_tokens
             if compile and cache == "static":
                 length = -(-length // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
-            cache = self.make_cache(cache, length)
+                cache = _reused_static_cache(self, length)
+            else:
+                cache = self.make_cache(cache, length)
         step = DecodeStep(self) if compile else None
         if step is not None:
             step.check_cache_kind(cache)  # before the prefill: fail fast
@@ -315,14 +334,14 @@ class LlamaModel(nn.Module):
             next_pos = key_mask.long().sum(1, keepdim=True)
         tokens = [input_ids]
         done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             nxt = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
             if eos_token_id is not None:
                 nxt = nxt.masked_fill(done[:, None], eos_token_id)
                 done |= nxt[:, 0] == eos_token_id
             tokens.append(nxt)
-            if eos_token_id is not None and done.all():
-                break
+            if i == max_new_tokens - 1 or (eos_token_id is not None and done.all()):
+                break  # (the last token needs no forward)
             if step is None:
                 logits = self(nxt, cache=cache, position_ids=next_pos)
             else:
