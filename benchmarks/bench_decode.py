@@ -1,0 +1,274 @@
+"""Greedy decoding speed: attnlab's LlamaModel against Hugging Face's on the same random weights.
+
+The model has SmolLM2-135M's shape (30 layers, d 576, 9 query / 3 key-value heads of 64, MLP
+1536, vocabulary 49,152, tied embeddings) with random weights. Cases, in one process, timed
+round-robin (one call of each per round):
+
+  attnlab dynamic         LlamaModel.generate(cache="dynamic")
+  attnlab static          LlamaModel.generate(cache="static")
+  attnlab static+compile  LlamaModel.generate(compile=True): the compiled decode step
+  HF dynamic              generate() with its DynamicCache, attn_implementation="sdpa"
+  HF static               generate(cache_implementation="static"), "sdpa": on CUDA Hugging Face
+                          compiles its decode step by itself; on CPU it does not
+  HF static+compile       (CPU only) the same with compilation forced
+                          (CompileConfig._compile_all_devices, as Hugging Face's tests do)
+  HF static [attnlab]     HF static (compiled as above) with attn_implementation="attnlab"
+
+Every case must produce the same greedy tokens as HF static (checked and printed). Figures:
+tokens/s = B * new tokens / time of one generate (prefill included, as Hugging Face reports
+it); ms/step = (time(new tokens) - time(1 token)) / (new tokens - 1), the decode step alone;
+the ratios compare attnlab's cases with HF static and HF static+compile within one run (median
+and best of the rounds). On CUDA, ``--attention`` profiles a few steps of the uncompiled fast
+path and reports the share of GPU kernel time spent in attention kernels; on CPU the share of
+time in the attention operator.
+
+Presets: CPU (default there): float32, batch 1 and 4, 128-token prompt, 64 new tokens.
+``--config issue`` (default on CUDA): bfloat16, batch 4 and 1, 128- and 2048-token prompts,
+128 new tokens (issue 11's configuration).
+
+Usage:
+  python benchmarks/bench_decode.py [--device cpu|cuda] [--threads N] [--batch 1 4]
+      [--prompt 128] [--new 64] [--dtype float32|bfloat16] [--config issue] [--rounds R]
+      [--quick] [--attention] [--only attnlab|hf]
+
+The first round compiles (tens of seconds per batch size on a 2-core CPU) and is not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import transformers  # noqa: E402
+
+from attnlab.integrations.transformers import register  # noqa: E402
+from attnlab.models import DecodeStep, LlamaModel  # noqa: E402
+from attnlab.models.llama import CACHE_LENGTH_STEP  # noqa: E402
+
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
+ATTENTION_KERNELS = re.compile(r"scaled_dot_product|flash|fmha|attention|sdpa", re.IGNORECASE)
+
+
+def build_models(device: str, dtype: torch.dtype):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**SMOLLM2_SHAPE)
+    hf = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    hf.generation_config.eos_token_id = None  # random weights: never stop early
+    hf.generation_config.pad_token_id = 0
+    ours = LlamaModel.from_hf(hf).to(device)
+    return hf, ours
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def hf_case(hf, ids, impl: str, cache: str, compiled: bool) -> Callable[[int], torch.Tensor]:
+    kw = {}
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    if compiled:
+        config = transformers.CompileConfig()
+        config._compile_all_devices = True  # Hugging Face compiles only on accelerators
+        kw["compile_config"] = config
+
+    def run(new: int) -> torch.Tensor:
+        hf.set_attn_implementation(impl)
+        return hf.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            **kw,
+        )
+
+    return run
+
+
+def attnlab_case(
+    ours, ids, cache: str, compiled: bool, total: int
+) -> Callable[[int], torch.Tensor]:
+    def run(new: int) -> torch.Tensor:
+        kind = cache
+        if cache == "static":  # the same cache length whatever `new`: one compiled graph
+            length = -(-total // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
+            kind = ours.make_cache("static", length)
+        return ours.generate(ids, new, cache=kind, compile=compiled)
+
+    return run
+
+
+def cases_for(hf, ours, ids, device: str, new: int, only: str | None) -> dict:
+    total = ids.shape[1] + new
+    cases = {}
+    if only in (None, "attnlab"):
+        cases["attnlab dynamic"] = attnlab_case(ours, ids, "dynamic", False, total)
+        cases["attnlab static"] = attnlab_case(ours, ids, "static", False, total)
+        cases["attnlab static+compile"] = attnlab_case(ours, ids, "static", True, total)
+    if only in (None, "hf"):
+        cases["HF dynamic"] = hf_case(hf, ids, "sdpa", "dynamic", False)
+        cases["HF static"] = hf_case(hf, ids, "sdpa", "static", False)
+        if device != "cuda":
+            cases["HF static+compile"] = hf_case(hf, ids, "sdpa", "static", True)
+        cases["HF static [attnlab]"] = hf_case(hf, ids, "attnlab", "static", device != "cuda")
+    return cases
+
+
+def time_cases(cases: dict, new: int, rounds: int, device: str) -> tuple[dict, dict]:
+    """Round-robin: per round and case, generate `new` tokens, then 1 (the prefill + 1 step)."""
+    tokens = {}
+    for name, run in cases.items():  # warm-up: compiles, allocates caches, records tokens
+        print(f"  warm-up {name} ...", flush=True)
+        tokens[name] = run(new)
+        run(1)
+    times: dict[str, dict[str, list[float]]] = {n: {"full": [], "step": []} for n in cases}
+    for _ in range(rounds):
+        for name, run in cases.items():
+            sync(device)
+            t0 = time.perf_counter()
+            run(new)
+            sync(device)
+            t1 = time.perf_counter()
+            run(1)
+            sync(device)
+            t2 = time.perf_counter()
+            times[name]["full"].append(t1 - t0)
+            times[name]["step"].append(max(t1 - t0 - (t2 - t1), 0.0) / max(new - 1, 1))
+    return times, tokens
+
+
+def report(times: dict, tokens: dict, batch: int, new: int) -> None:
+    ref_name = "HF static" if "HF static" in tokens else next(iter(tokens))
+    ref = tokens[ref_name]
+    print(
+        f"{'case':<26} {'tokens/s':>10} {'(best)':>8} {'ms/step':>9} {'(best)':>8}   "
+        f"tokens = {ref_name}"
+    )
+    for name, t in times.items():
+        full, step = statistics.median(t["full"]), statistics.median(t["step"])
+        same = "yes" if torch.equal(tokens[name].cpu(), ref.cpu()) else "NO"
+        print(
+            f"{name:<26} {batch * new / full:10.1f} {batch * new / min(t['full']):8.1f} "
+            f"{step * 1e3:9.2f} {min(t['step']) * 1e3:8.2f}   {same}"
+        )
+    # HF static [attnlab] is compiled like HF static+compile on CPU, like HF static on CUDA
+    hf_compiled = "HF static+compile" if "HF static+compile" in times else "HF static"
+    pairs = [
+        ("attnlab static+compile", "HF static"),
+        ("attnlab static+compile", "HF static+compile"),
+        ("attnlab static", "HF static"),
+        ("attnlab static+compile", "attnlab static"),
+        ("HF static [attnlab]", hf_compiled),
+    ]
+    print("ratios (> 1: the first is faster): tokens/s, median (best); decode step, median")
+    for a, b in pairs:
+        if a in times and b in times:
+            tput = statistics.median(times[b]["full"]) / statistics.median(times[a]["full"])
+            best = min(times[b]["full"]) / min(times[a]["full"])
+            step = statistics.median(times[b]["step"]) / statistics.median(times[a]["step"])
+            print(f"  {a} / {b}: x{tput:.2f} (best x{best:.2f}); step x{step:.2f}")
+
+
+def attention_share(ours, ids, device: str, new: int = 8) -> str:
+    """Share of a decode step's time spent in attention, from the profiler's operator times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = ours.make_cache("static", ids.shape[1] + new + 1)
+    step = DecodeStep(ours, compile=False)  # kernels named as they are: measurable
+    with torch.no_grad():
+        token = ours(ids, cache=cache)[:, -1:].argmax(-1)
+        step(token, cache)  # warm
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(new):
+                token = step(token, cache)[:, -1:].argmax(-1)
+            sync(device)
+    events = prof.key_averages()
+    if device == "cuda":
+        total = sum(e.self_device_time_total for e in events)
+        attn = sum(e.self_device_time_total for e in events if ATTENTION_KERNELS.search(e.key))
+        what = "GPU kernel time"
+    else:
+        total = sum(e.self_cpu_time_total for e in events)
+        attn = sum(e.self_cpu_time_total for e in events if ATTENTION_KERNELS.search(e.key))
+        what = "CPU operator time"
+    if not total or not attn:
+        return "attention share: not measurable (no attention kernel named in the profile)"
+    return f"attention share of the uncompiled fast step: {100 * attn / total:.1f}% of {what}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--config", choices=["issue"], default=None, help="issue 11's GPU setup")
+    p.add_argument("--batch", type=int, nargs="+", default=None)
+    p.add_argument("--prompt", type=int, nargs="+", default=None)
+    p.add_argument("--new", type=int, default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="fewer rounds and new tokens")
+    p.add_argument("--attention", action="store_true", help="also profile the attention share")
+    p.add_argument("--only", choices=["attnlab", "hf"], default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    issue = args.config == "issue" or (args.config is None and args.device == "cuda")
+    batches = args.batch or ([4, 1] if issue else [1, 4])
+    prompts = args.prompt or ([128, 2048] if issue else [128])
+    new = args.new or (128 if issue else 64)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if issue else "float32"))
+    rounds = args.rounds or (3 if args.quick else 5)
+    if args.quick:
+        new = min(new, 32)
+    register()
+    hf, ours = build_models(args.device, dtype)
+    device_name = (
+        torch.cuda.get_device_name()
+        if args.device == "cuda"
+        else f"CPU, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {device_name}, "
+        f"{dtype}; random SmolLM2-135M-shaped Llama; greedy, {new} new tokens"
+    )
+    for prompt in prompts:
+        for batch in batches:
+            g = torch.Generator().manual_seed(batch * 10_000 + prompt)
+            ids = torch.randint(100, 40_000, (batch, prompt), generator=g).to(args.device)
+            print(f"\n== batch {batch}, prompt {prompt} tokens, {new} new ==", flush=True)
+            cases = cases_for(hf, ours, ids, args.device, new, args.only)
+            times, tokens = time_cases(cases, new, rounds, args.device)
+            report(times, tokens, batch, new)
+            if args.attention:
+                print("  " + attention_share(ours, ids, args.device))
+
+
+if __name__ == "__main__":
+    main()
