@@ -1,8 +1,8 @@
 """Weights that need gradients take the blocked weights path (issue 10, item 3).
 
-The backward recomputes each block's weights from the row log-sum-exp; it must equal autograd
-through the readable eager formula, and gradcheck in float64, including rows with no key and
-grouped-query heads.
+The backward reads the returned per-head weights (averaged weights: recomputes each block's from
+the row log-sum-exp); it must equal autograd through the readable eager formula, and gradcheck in
+float64, including rows with no key and grouped-query heads.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import attnlab.functional as AF
+import attnlab.functional._memory as M
 import attnlab.functional._weights as W
 from attnlab.functional import sdpa
 
@@ -88,3 +89,44 @@ def test_16_bit_and_graded_masks_keep_the_eager_path():
     q, k, v, _ = make()
     bias = torch.zeros(5, 7, dtype=torch.float64, requires_grad=True)
     assert AF.explain(q, k, v, bias, return_weights=True).path == "eager"
+
+
+def test_per_head_backward_reads_the_returned_weights():
+    q, k, v, mask = make()
+    decision = AF.explain(q, k, v, mask, return_weights=True)
+    assert "the backward reads the returned weights" in str(decision)
+    assert "recomputes" in str(AF.explain(q, k, v, mask, return_weights="average"))
+    out, w = AF.scaled_dot_product_attention(q, k, v, mask, return_weights=True)
+    w.mul_(2)  # the weights the backward reads: torch's version check must catch the change
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out.sum() + w.sum()).backward()
+
+
+def test_large_fresh_weights_ask_for_huge_pages(monkeypatch):
+    calls = []
+    monkeypatch.setattr(M, "_madvise", lambda start, n, advice: calls.append((start, n, advice)))
+    like = torch.empty(0)
+    small = M.empty(1, M.MIN_BYTES // 4 - 1, like=like)
+    assert calls == [] and small.shape == (1, M.MIN_BYTES // 4 - 1)
+    big = M.empty(3, M.MIN_BYTES // 4 + 5, like=like)  # > 8 MiB of float32
+    ((start, n, advice),) = calls
+    lo, hi = big.data_ptr(), big.data_ptr() + big.numel() * 4
+    assert advice == 14 and start % M.HUGE_PAGE == 0 and n % M.HUGE_PAGE == 0
+    assert (
+        lo <= start
+        and start + n <= hi
+        and start - lo < M.HUGE_PAGE
+        and hi - start - n < M.HUGE_PAGE
+    )
+    big.fill_(1.5)  # the memory is the tensor's own, usable as any
+    assert big.dtype == torch.float32 and bool(big.eq(1.5).all())
+
+
+def test_the_weights_path_returns_huge_page_weights(monkeypatch):
+    calls = []
+    monkeypatch.setattr(M, "_madvise", lambda start, n, advice: calls.append((start, n)))
+    q, k, v = (torch.randn(1, 2, 1024, 8) for _ in range(3))  # weights: 8 MiB of float32
+    out, w = AF.scaled_dot_product_attention(q, k, v, return_weights=True)
+    ((start, n),) = calls
+    assert w.data_ptr() <= start < start + n <= w.data_ptr() + w.numel() * 4
+    torch.testing.assert_close(w, torch.softmax(q @ k.transpose(-2, -1) / 8**0.5, -1))

@@ -14,8 +14,9 @@ Forward, per block (h heads x r rows; ``m`` = the row maximum)::
     lse = m - log max(w)                           (h, r)      kept for the backward (>= fp32)
     O_blk = w V                                    (h, r, Ev)
 
-Backward (:class:`WeightsAttention`), per block, recomputing ``w`` from ``lse`` (one GEMM and
-one exp, never a saved (B, H, L, S) tensor besides what the caller holds)::
+Backward (:class:`WeightsAttention`), per block; ``w`` is the per-head weights the caller
+holds (saved with the output), or, for averaged weights, recomputed from ``lse`` (one GEMM and
+one exp): never a (B, H, L, S) tensor besides what the caller holds::
 
     dW = dO_blk V^T + dW_user                      (h, r, S)   (dW_user / H for averaged weights)
     dS = w * (dW - rowsum(dW * w))                 softmax's Jacobian, row by row, where
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from attnlab.functional import _memory
 from attnlab.masks import causal_keep
 
 WEIGHTS_BLOCK_BYTES = 8 * 2**20  # scores of one block of query rows, on the weights path
@@ -108,9 +110,9 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
     B, H, L, _ = q.shape
     S, Ev = k.shape[2], v.shape[3]
     out = q.new_empty(B, H, L, Ev)
-    if weights is None:
-        weights = q.new_zeros(B, 1, L, S) if average else q.new_empty(B, H, L, S)
-    elif average:
+    if weights is None:  # fresh: huge pages where possible (see _memory)
+        weights = _memory.empty(B, 1 if average else H, L, S, like=q)
+    if average:
         weights.zero_()  # the blocks add into it
     if alignment == "bottom_right" and L == 1:
         alignment = None  # the last position sees every key
@@ -163,8 +165,8 @@ class WeightsAttention(torch.autograd.Function):
     """Output and weights that both carry gradients, at the weights path's memory.
 
     ``apply(q, k, v, mask, alignment, scale, average) -> (out, weights)``; the mask (bool or a
-    bias) takes no gradient. Saves Q, K, V, O and the row log-sum-exp; the backward recomputes
-    each block's weights (see the module docstring).
+    bias) takes no gradient. Saves Q, K, V, O, the row log-sum-exp and the per-head weights it
+    returns; averaged, the backward recomputes each block's weights (see the module docstring).
     """
 
     @staticmethod
@@ -172,13 +174,15 @@ class WeightsAttention(torch.autograd.Function):
         B, H, L, _ = q.shape
         lse = q.new_empty(B, H, L, dtype=torch.promote_types(q.dtype, torch.float32))
         out, weights = weights_in_blocks(q, k, v, mask, alignment, scale, average, lse=lse)
-        ctx.save_for_backward(q, k, v, out, lse, mask)
+        # per head, the weights the caller holds are the backward's w: saved, not recomputed
+        # (an in-place change to them then fails the backward loudly, as torch.softmax's does)
+        ctx.save_for_backward(q, k, v, out, lse, mask, None if average else weights)
         ctx.alignment, ctx.scale, ctx.average = alignment, scale, average
         return out, weights
 
     @staticmethod
     def backward(ctx, d_out, d_weights):
-        q, k, v, out, lse, mask = ctx.saved_tensors
+        q, k, v, out, lse, mask, weights = ctx.saved_tensors
         scale, average = ctx.scale, ctx.average
         H = q.shape[1]
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -193,11 +197,14 @@ class WeightsAttention(torch.autograd.Function):
         for b, hs, rs, kv in blocks:
             kb, vb = k[b, kv], v[b, kv]  # (h, S, E), (h, S, Ev)
             h, r = hs.stop - hs.start, rs.stop - rs.start
-            w = blocks.scores_(w_buf[:h, :r], qs[b, hs, rs], kb, b, hs, rs)
-            row_lse = lse[b, hs, rs, None].to(w.dtype)  # (h, r, 1)
-            w = torch.exp(w.sub_(row_lse), out=w)
-            if blocks.can_die:
-                w.masked_fill_(row_lse == -inf, 0.0)  # dead rows: exp(-inf + inf) = NaN -> 0
+            if weights is not None:
+                w = weights[b, hs, rs]  # (h, r, S)
+            else:
+                w = blocks.scores_(w_buf[:h, :r], qs[b, hs, rs], kb, b, hs, rs)
+                row_lse = lse[b, hs, rs, None].to(w.dtype)  # (h, r, 1)
+                w = torch.exp(w.sub_(row_lse), out=w)
+                if blocks.can_die:
+                    w.masked_fill_(row_lse == -inf, 0.0)  # dead rows: exp(-inf + inf) = NaN -> 0
             do = d_out[b, hs, rs]  # (h, r, Ev)
             dw = torch.matmul(do, vb.transpose(-2, -1), out=dw_buf[:h, :r])  # (h, r, S)
             rows = d_rows[b, hs, rs]  # (h, r, 1)

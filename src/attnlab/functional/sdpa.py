@@ -8,8 +8,9 @@
 * **weights** -- the weights on demand: scores, weights and output computed together, one block
   of heads x query rows at a time, written in place into the returned weights, so the extra
   memory is one block (not the several (B, H, L, S) temporaries of the textbook formula). Used
-  when weights are requested; with autograd (float32/float64) its backward recomputes each
-  block's weights from the row log-sum-exp (:mod:`attnlab.functional._weights`).
+  when weights are requested; with autograd (float32/float64) its backward reads the returned
+  per-head weights, or recomputes averaged ones block by block from the row log-sum-exp
+  (:mod:`attnlab.functional._weights`).
 * **triton** -- attnlab's Triton kernels (:mod:`attnlab.functional._triton`), on CUDA (and on
   CPU under ``TRITON_INTERPRET=1``): weights on demand from the row log-sum-exp, and masks
   kept as structure (padding lengths, packed documents, sliding windows: key blocks outside
@@ -146,12 +147,15 @@ def _choose(
             query.shape[1], query.shape[2], key.shape[2], query.element_size()
         )
         what = "averaged over heads" if return_weights == "average" else "per head"
-        backward = (
-            "; with autograd: saves Q, K, V and the row log-sum-exp, the backward recomputes "
-            "each block's weights"
-            if grad
-            else ""
-        )
+        backward = ""
+        if grad and return_weights == "average":
+            backward = (
+                "; with autograd: saves Q, K, V and the row log-sum-exp, the backward "
+                "recomputes each block's weights"
+            )
+        elif grad:
+            backward = "; with autograd: the backward reads the returned weights, block by block"
+
         return Dispatch(
             "weights",
             (
