@@ -150,3 +150,42 @@ def test_mask_builder_errors():
         masks.expand_key_padding(t(2, 5))
     with pytest.raises(TypeError, match="to_bool"):
         masks.and_masks(masks.causal_mask(3), t(3, 3))
+
+
+def test_mask_shape_check_is_torchs_broadcast_without_enlarging():
+    """The written-out check accepts a mask exactly when torch.broadcast_shapes(mask, scores)
+    is the scores' shape, over every small shape (0 and 1 included)."""
+    from itertools import product
+
+    from attnlab._checks import check_mask
+
+    target = (2, 3, 1, 0)
+    for dims in range(5):
+        for shape in product((0, 1, 2, 3), repeat=dims):
+            try:
+                ok = torch.broadcast_shapes(shape, target) == torch.Size(target)
+            except RuntimeError:
+                ok = False
+            mask = torch.ones(shape, dtype=torch.bool)
+            if ok:
+                check_mask(mask, target)
+            else:
+                with pytest.raises(ValueError, match="does not broadcast"):
+                    check_mask(mask, target)
+
+
+def test_broadcast_shapes_is_torchs():
+    from itertools import product
+
+    from attnlab._checks import broadcast_shapes
+
+    shapes = [s for d in range(4) for s in product((0, 1, 2, 3), repeat=d)]
+    for a, b in product(shapes, repeat=2):
+        try:
+            want = tuple(torch.broadcast_shapes(a, b))
+        except RuntimeError:
+            with pytest.raises(RuntimeError):
+                broadcast_shapes(a, b)
+            continue
+        assert broadcast_shapes(a, b) == want, (a, b)
+    assert broadcast_shapes((2, 1), (3, 1, 4), (1, 1)) == (3, 2, 4)

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from attnlab._checks import causal_alignment, check_floating, check_mask
+from attnlab._checks import broadcast_shapes, causal_alignment, check_floating, check_mask
 from attnlab.functional._layout import propagate_nonfinite, with_causal
 from attnlab.functional.sdpa import Dispatch
 from attnlab.functional.softmax import LOW_PRECISION, attention
@@ -140,7 +140,7 @@ def _scores(query, key, w_query, w_key, w_score, bias) -> torch.Tensor:
     _check_additive_shapes(query, key, w_query, w_key, w_score, bias)
     dtype = torch.float32 if query.dtype in LOW_PRECISION else query.dtype
     a, b = _projections(query, key, w_query, w_key, bias, dtype)
-    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    lead = broadcast_shapes(a.shape[:-2], b.shape[:-2])
     N = math.prod(lead)
     a3 = a.expand(*lead, *a.shape[-2:]).reshape(N, *a.shape[-2:])  # (N, L, A)
     b3 = b.expand(*lead, *b.shape[-2:]).reshape(N, *b.shape[-2:])  # (N, S, A)
@@ -184,7 +184,7 @@ def _check_additive_shapes(query, key, w_query, w_key, w_score, bias) -> None:
         )
     else:
         try:
-            torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+            broadcast_shapes(query.shape[:-2], key.shape[:-2])
         except RuntimeError:
             problems.append(
                 f"query and key leading dims must match, got {tuple(query.shape)} and "
@@ -333,7 +333,7 @@ def _checked(query, key, w_query, w_key, w_score, bias, attn_mask, is_causal):
             check_floating(name, t)
     check_floating("w_score", w_score)
     _check_additive_shapes(query, key, w_query, w_key, w_score, bias)
-    lead = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+    lead = broadcast_shapes(query.shape[:-2], key.shape[:-2])
     L, S = query.shape[-2], key.shape[-2]
     alignment = causal_alignment(is_causal, L, S)
     if attn_mask is not None:

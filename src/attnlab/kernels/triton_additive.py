@@ -80,6 +80,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from attnlab._checks import broadcast_shapes
 from attnlab.kernels import _triton
 
 TWO_LOG2E = 2.0 / math.log(2.0)  # tanh(x) = 1 - 2 / (exp2(TWO_LOG2E * x) + 1)
@@ -426,7 +427,7 @@ def supports(query, key, value, attn_mask) -> str | None:
         return "an empty dimension: nothing to tile"
     if value.shape[-1] > MAX_VALUE_DIM:
         return f"value width Dv={value.shape[-1]} > {MAX_VALUE_DIM} (the output tile in registers)"
-    lead = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+    lead = broadcast_shapes(query.shape[:-2], key.shape[:-2])
     if value.dim() != len(lead) + 2 or any(
         v not in (1, n) for v, n in zip(value.shape[:-2], lead, strict=True)
     ):
