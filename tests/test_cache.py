@@ -175,8 +175,8 @@ def test_fixed_shape_storage_keeps_its_address_through_reorder(kind):
     cache = make_cache(kind)
     with torch.no_grad():
         layer(x, cache=cache)
-        keys, values, positions, real = cache.buffers(0)
-        before = [t.data_ptr() for t in (keys, values, positions, real)]
+        keys, values, positions, real, finite = cache.buffers(0)
+        before = [t.data_ptr() for t in (keys, values, positions, real, finite)]
         expected = keys[[2, 0, 0]].clone()
         cache.reorder(torch.tensor([2, 0, 0]))
         assert [t.data_ptr() for t in cache.buffers(0)] == before
@@ -191,7 +191,7 @@ def test_buffers_and_advance():
     for i in range(2):
         cache.update(k, k, i)
     assert cache.capacity == 8
-    keys, _, positions, _ = cache.buffers(1)
+    keys, _, positions, _, _ = cache.buffers(1)
     assert keys.shape == (1, 2, 8, 4) and positions.tolist() == [0, 1, 2] + [-1] * 5
     positions[3] = 3  # what a compiled step writes, then counts
     cache.advance(1)

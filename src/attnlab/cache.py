@@ -18,8 +18,10 @@ stores the new keys/values of one layer and returns all of them. Three kinds:
 
 A cache also records where each slot sits in the sequence (:meth:`Cache.key_positions`) and
 which cached keys are padding (:meth:`Cache.key_mask`), so the layer builds an exact mask
-for any kind. Multi-query and grouped-query layers cache only their Hkv heads: the memory saving
-of MQA/GQA is exactly here.
+for any kind; and which slots hold a NaN or an infinity (:meth:`Cache.kv_finite`), checked once
+when a token is written, so that attention's NaN policy (a non-finite key or value makes its
+head's rows NaN) need not read the whole cache again at every step. Multi-query and
+grouped-query layers cache only their Hkv heads: the memory saving of MQA/GQA is exactly here.
 
 Compiled decoding. The fixed-shape caches (static, sliding) keep their storage at one address for
 their whole life (``reorder`` copies in place when the batch size stays), and mark it with
@@ -39,8 +41,21 @@ import torch
 __all__ = ["Cache", "DynamicCache", "SlidingWindowCache", "StaticCache"]
 
 
+def finite_slots(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, L, E), (B, Hkv, L, Ev) -> (B, Hkv, L) bool: True where the slot's key and value
+    hold no NaN or inf (max |x| is non-finite exactly when x holds one)."""
+    rows = [x.abs().amax(-1) for x in (key, value) if x.shape[-1]]  # (E = 0 holds no NaN)
+    if not rows:
+        return key.new_ones(key.shape[:-1], dtype=torch.bool)
+    top = rows[0] if len(rows) == 1 else torch.maximum(*rows)  # NaN-propagating max
+    # NaN < inf and inf < inf are False. (Not torch.isfinite: inductor's CPU code for it
+    # fails to compile when the result is written through a slice of a fresh tensor.)
+    return top < float("inf")
+
+
 class _Layer:
-    """One layer's storage: keys (B, Hkv, C, E), values (B, Hkv, C, Ev), padding (B, C)."""
+    """One layer's storage: keys (B, Hkv, C, E), values (B, Hkv, C, Ev), padding (B, C), and
+    finite (B, Hkv, C): whether each slot's key and value are free of NaN and inf."""
 
     def __init__(self, key: torch.Tensor, value: torch.Tensor, capacity: int) -> None:
         B, Hkv, _, E = key.shape
@@ -48,9 +63,10 @@ class _Layer:
         self.values = value.new_zeros(B, Hkv, capacity, value.shape[-1])
         self.real = torch.ones(B, capacity, dtype=torch.bool, device=key.device)
         self.positions = torch.full((capacity,), -1, dtype=torch.long, device=key.device)
+        self.finite = torch.ones(B, Hkv, capacity, dtype=torch.bool, device=key.device)
         self.length = 0  # tokens seen so far (for a ring buffer, more than it holds)
         self.padded = False  # has any padding been stored?
-        self.view = None  # (keys, values, positions, padding) returned by the last update
+        self.view = None  # (keys, values, positions, padding, finite) of the last update
 
     def grow(self, capacity: int) -> None:
         for name in ("keys", "values"):
@@ -61,6 +77,9 @@ class _Layer:
         real = torch.ones(self.real.shape[0], capacity, dtype=torch.bool, device=self.real.device)
         real[:, : self.real.shape[1]] = self.real
         self.real = real
+        finite = self.finite.new_ones(*self.finite.shape[:2], capacity)
+        finite[:, :, : self.finite.shape[2]] = self.finite
+        self.finite = finite
         positions = torch.full((capacity,), -1, dtype=torch.long, device=self.positions.device)
         positions[: self.positions.shape[0]] = self.positions
         self.positions = positions
@@ -68,6 +87,7 @@ class _Layer:
     def write(self, slots, key, value, padding, start: int) -> None:
         self.keys[:, :, slots] = key
         self.values[:, :, slots] = value
+        self.finite[:, :, slots] = finite_slots(key, value)
         self.positions[slots] = torch.arange(start, start + key.shape[2], device=key.device)
         if padding is not None:
             self.real[:, slots] = padding
@@ -91,11 +111,12 @@ class _Layer:
         self.keys.zero_()
         self.values.zero_()
         self.real.fill_(True)
+        self.finite.fill_(True)
         self.positions.fill_(-1)
         self.length, self.padded, self.view = 0, False, None
 
     def reorder(self, index: torch.Tensor, in_place: bool) -> None:
-        for name in ("keys", "values", "real"):
+        for name in ("keys", "values", "real", "finite"):
             old = getattr(self, name)
             new = old.index_select(0, index)
             if in_place and new.shape == old.shape:
@@ -109,7 +130,7 @@ class _Layer:
         """Tell torch.compile the storage keeps its address (no copy into CUDA graph inputs)."""
         if torch.compiler.is_compiling():  # (allocated inside a traced call: nothing to mark)
             return
-        for t in (self.keys, self.values, self.real, self.positions):
+        for t in (self.keys, self.values, self.real, self.positions, self.finite):
             torch._dynamo.mark_static_address(t)
 
 
@@ -186,6 +207,13 @@ class Cache:
         layer = self._layer(layer_idx)
         return layer.view[3] if layer.padded else None
 
+    def kv_finite(self, layer_idx: int) -> torch.Tensor:
+        """(B, Hkv) bool: True where none of the last update's slots (masked or empty ones
+        included) holds a NaN or inf in its key or value. Each slot is checked once, when
+        written; attention takes this instead of reading the cache again
+        (``scaled_dot_product_attention``'s NaN policy)."""
+        return self._layer(layer_idx).view[4].all(-1)
+
     def reorder(self, index: torch.Tensor) -> None:
         """Re-index the batch: beam search reorders rows; a smaller index filters the batch.
 
@@ -233,14 +261,16 @@ class Cache:
 
     def buffers(
         self, layer_idx: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The storage of layer ``layer_idx`` itself, for a compiled step that writes it in place.
 
         Returns:
-            ``(keys (B, Hkv, C, E), values (B, Hkv, C, Ev), positions (C,), real (B, C))``:
-            ``positions`` holds each slot's position in the sequence (-1 = empty), ``real`` is
-            True for real tokens (False = padding). A step that writes one token stores it at
-            slot ``(positions.max() + 1) % C`` in all four, then calls :meth:`advance`.
+            ``(keys (B, Hkv, C, E), values (B, Hkv, C, Ev), positions (C,), real (B, C),
+            finite (B, Hkv, C))``: ``positions`` holds each slot's position in the sequence
+            (-1 = empty), ``real`` is True for real tokens (False = padding), ``finite`` is
+            True where the slot's key and value hold no NaN or inf (:func:`finite_slots`). A
+            step that writes one token stores it at slot ``(positions.max() + 1) % C`` in all
+            five, then calls :meth:`advance`.
 
         Raises:
             TypeError: a cache whose storage grows (DynamicCache): its shape and address change.
@@ -258,13 +288,13 @@ class Cache:
                 f"layer_idx {layer_idx} has nothing cached yet: prefill the cache (an update of "
                 f"every layer) before writing it through buffers()."
             )
-        return layer.keys, layer.values, layer.positions, layer.real
+        return layer.keys, layer.values, layer.positions, layer.real, layer.finite
 
     def advance(self, num_tokens: int = 1) -> None:
         """Count ``num_tokens`` tokens that a compiled step wrote through :meth:`buffers`."""
         for layer in self._layers.values():
             layer.length += num_tokens
-            layer.view = (layer.keys, layer.values, layer.positions, layer.real)
+            layer.view = (layer.keys, layer.values, layer.positions, layer.real, layer.finite)
 
     # -- for subclasses -------------------------------------------------------------------------
 
@@ -272,7 +302,8 @@ class Cache:
         raise NotImplementedError
 
     def _store(self, layer: _Layer, key, value, padding, start: int):
-        """Store the new tokens; return (keys, values, positions, padding) for attention."""
+        """Store the new tokens; return (keys, values, positions, padding, finite) for
+        attention."""
         raise NotImplementedError
 
     def _layer(self, layer_idx: int) -> _Layer:
@@ -355,6 +386,7 @@ class DynamicCache(Cache):
             layer.values[:, :, :end],
             layer.positions[:end],
             layer.real[:, :end],
+            layer.finite[:, :, :end],
         )
 
 
@@ -389,7 +421,7 @@ class StaticCache(Cache):
                 f"DynamicCache."
             )
         layer.write(slice(start, end), key, value, padding, start)
-        return layer.keys, layer.values, layer.positions, layer.real
+        return layer.keys, layer.values, layer.positions, layer.real, layer.finite
 
 
 class SlidingWindowCache(Cache):
@@ -418,14 +450,16 @@ class SlidingWindowCache(Cache):
         L, W = key.shape[2], self.window
         if L == 1:  # decode: overwrite the slot of the token that just left the window
             layer.write(slice(start % W, start % W + 1), key, value, padding, start)
-            return layer.keys, layer.values, layer.positions, layer.real
+            return layer.keys, layer.values, layer.positions, layer.real, layer.finite
         # prefill: attention needs the old window and every new token; the ring keeps the last W
         real = padding if padding is not None else torch.ones_like(layer.real[:, :1]).expand(-1, L)
+        finite = finite_slots(key, value)  # (B, Hkv, L)
         view = (
             torch.cat([layer.keys, key], dim=2),
             torch.cat([layer.values, value], dim=2),
             torch.cat([layer.positions, torch.arange(start, start + L, device=key.device)]),
             torch.cat([layer.real, real], dim=1),
+            torch.cat([layer.finite, finite], dim=2),
         )
         keep = torch.arange(max(0, L - W), L, device=key.device)  # the last W new tokens
         slots = (start + keep) % W
@@ -433,5 +467,6 @@ class SlidingWindowCache(Cache):
         layer.values[:, :, slots] = value[:, :, keep]
         layer.positions[slots] = start + keep
         layer.real[:, slots] = real[:, keep]
+        layer.finite[:, :, slots] = finite[:, :, keep]
         layer.padded = layer.padded or padding is not None
         return view

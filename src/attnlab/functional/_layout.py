@@ -60,7 +60,12 @@ def as_4d(
     return lift(query), lift(key), lift(value), attn_mask, drop
 
 
-def nonfinite_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def nonfinite_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_finite: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Which output rows a NaN or an infinity reaches: (..., L, E), (..., S, *) -> (..., L, 1).
 
     attnlab's policy (docs/conventions.md): non-finite inputs propagate as NaN, never turn
@@ -68,34 +73,47 @@ def nonfinite_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
     any key or value that its head reads does -- masked or not, as in torch's kernels (a mask
     does not clean a NaN). 4-D grouped-query inputs: head ``h`` reads kv head ``h // G``;
     other leading dims broadcast.
+
+    ``kv_finite`` (B, Hkv) bool, when given, is that verdict for key and value already (a KV
+    cache checks each slot once, when it is written): K and V are then not read here.
     """
     bad = ~_finite_rows(query)[..., None]  # (..., L, 1)
-    kv_ok = _finite_rows(key.flatten(-2)) & _finite_rows(value.flatten(-2))
+    if kv_finite is None:
+        kv_finite = _finite_rows(key.flatten(-2)) & _finite_rows(value.flatten(-2))
+    kv_ok = kv_finite
     if query.dim() == 4 and key.dim() == 4 and 0 < key.shape[1] != query.shape[1]:
         kv_ok = kv_ok.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # (B, Hkv) -> (B, H)
     return bad | ~kv_ok[..., None, None]
 
 
-def propagate_nonfinite(query, key, value, out, weights=None):
+def propagate_nonfinite(query, key, value, out, weights=None, kv_finite=None):
     """``out`` (..., L, Ev) and ``weights`` (..., H or 1, L, S) with :func:`nonfinite_rows` NaN.
 
     Eagerly on CPU, one sum per input screens first (a finite sum means no NaN and no inf
     anywhere; only a non-finite one, or an overflow of large finite values, pays for the
     row-by-row check): the fast path's cost is three reductions. Traced (``torch.compile``,
     ``torch.export``) or on other devices the row check always runs (no data-dependent branch,
-    no host sync). Results that need no gradient are filled in place.
+    no host sync). Results that need no gradient are filled in place. ``kv_finite``: see
+    :func:`nonfinite_rows` (with it, only the query is screened: a decode step against a cache
+    reads the cache once, for attention itself).
     """
     if query.device.type == "cpu" and not torch.compiler.is_compiling():
         # (written out, no dtype argument unless needed: each costs ~1 us at tiny shapes)
-        if query.dtype in _SHORT:  # 16-bit sums overflow early: sum in float32
+        if kv_finite is not None:
+            total = query.sum(dtype=torch.float32).item()
+            if math.isfinite(total) and bool(kv_finite.all()):
+                return out, weights
+        elif query.dtype in _SHORT:  # 16-bit sums overflow early: sum in float32
             f32 = torch.float32
             total = query.sum(dtype=f32).item() + key.sum(dtype=f32).item()
             total += value.sum(dtype=f32).item()
+            if math.isfinite(total):
+                return out, weights
         else:
             total = query.sum().item() + key.sum().item() + value.sum().item()
-        if math.isfinite(total):
-            return out, weights
-    bad = nonfinite_rows(query, key, value)
+            if math.isfinite(total):
+                return out, weights
+    bad = nonfinite_rows(query, key, value, kv_finite)
     out = _fill_nan(out, bad)
     if weights is not None:
         weights = _fill_nan(weights, bad.any(-3, keepdim=True) if weights.shape[-3] == 1 else bad)

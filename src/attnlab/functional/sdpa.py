@@ -288,6 +288,36 @@ def scaled_dot_product_attention(
         >>> out.shape, w.shape
         (torch.Size([2, 8, 5, 32]), torch.Size([2, 8, 5, 7]))
     """
+    return attention_with(
+        query,
+        key,
+        value,
+        attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_weights=return_weights,
+        weights_out=weights_out,
+    )
+
+
+def attention_with(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    *,
+    is_causal=False,
+    scale=None,
+    dropout_p=0.0,
+    return_weights=False,
+    weights_out=None,
+    kv_finite: torch.Tensor | None = None,
+):
+    """:func:`scaled_dot_product_attention`, plus what a caller knows of its inputs:
+    ``kv_finite`` (B, Hkv) bool, whether each head's keys and values are free of NaN and inf
+    (a KV cache's :meth:`~attnlab.cache.Cache.kv_finite`), so that the NaN policy screens only
+    the query instead of reading the whole cache again at every decode step."""
     query, key, value = autocast_inputs(query, key, value)
     check_qkv(query, key, value)
     check_dropout(dropout_p)
@@ -307,6 +337,11 @@ def scaled_dot_product_attention(
     if attn_mask is not None:
         attn_mask = plain(attn_mask)  # a masks.Mask is a bool tensor that prints as a picture
     q, k, v, mask, restore = as_4d(query, key, value, attn_mask)
+    if kv_finite is not None and (key.dim() != 4 or kv_finite.shape != k.shape[:2]):
+        raise ValueError(
+            f"kv_finite must be (B, Hkv) = {tuple(k.shape[:2])} bool for 4-D key/value; got "
+            f"{tuple(kv_finite.shape)} for key {tuple(key.shape)}."
+        )
     buffer = None  # the caller's weights_out, as a (B, H or 1, L, S) view
     if weights_out is not None:
         buffer = _check_weights_out(weights_out, query, q, S, return_weights, dropout_p)
@@ -344,7 +379,7 @@ def scaled_dot_product_attention(
         if return_weights == "average":
             weights = weights.mean(1, keepdim=True)
     # NaN/inf in the inputs propagate (no path may turn them into numbers): see nonfinite_rows
-    out, weights = propagate_nonfinite(q, k, v, out, weights if return_weights else None)
+    out, weights = propagate_nonfinite(q, k, v, out, weights if return_weights else None, kv_finite)
     if buffer is not None:
         if weights is not buffer:  # (an empty dimension took the eager path)
             buffer.copy_(weights)

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnlab import functional as AF
-from attnlab.cache import Cache, DynamicCache, SlidingWindowCache, StaticCache
+from attnlab.cache import Cache, DynamicCache, SlidingWindowCache, StaticCache, finite_slots
 from attnlab.functional.rotary import apply_rotary_qk
+from attnlab.functional.sdpa import attention_with
 from attnlab.nn import MultiHeadAttention
 
 # generate(compile=True) rounds a static cache's length up to a multiple of this, so prompts of
@@ -135,10 +135,11 @@ class Block(nn.Module):
         h = self.mlp_norm(x)
         return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))  # SwiGLU
 
-    def forward_step(self, x, mask, position_ids, slot, keys, values):
+    def forward_step(self, x, mask, position_ids, slot, keys, values, finite):
         """The decode fast path of one block: x (B, 1, D), mask (B, 1, 1, C), position_ids
-        (B, 1), slot (1,); keys/values (B, Hkv, C, E) this layer's cache storage (written at
-        ``slot``) -> (B, 1, D). The same computation as :meth:`forward` with a cache."""
+        (B, 1), slot (1,); keys/values (B, Hkv, C, E) and finite (B, Hkv, C) this layer's cache
+        storage (written at ``slot``) -> (B, 1, D). The same computation as :meth:`forward`
+        with a cache."""
         attn = self.attn
         B, H, Hkv, E = x.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
         h = self.attn_norm(x)
@@ -148,7 +149,8 @@ class Block(nn.Module):
         q, k = apply_rotary_qk(q, k, position_ids, attn.rope_base)
         keys.index_copy_(2, slot, k)  # the new token's key/value into its slot, in place
         values.index_copy_(2, slot, v)
-        out = AF.scaled_dot_product_attention(q, keys, values, mask)  # (B, H, 1, E)
+        finite.index_copy_(2, slot, finite_slots(k, v))  # checked once, here: NaN policy
+        out = attention_with(q, keys, values, mask, kv_finite=finite.all(-1))  # (B, H, 1, E)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(B, 1, H * E))  # -> (B, 1, H*E) -> D
         return self._mlp(x)
 
@@ -237,7 +239,7 @@ class LlamaModel(nn.Module):
         Args:
             input_ids: (B, 1) the new tokens.
             buffers: per layer ``cache.buffers(i)``: keys (B, Hkv, C, E), values (B, Hkv, C, E),
-                positions (C,), real (B, C).
+                positions (C,), real (B, C), finite (B, Hkv, C).
             position_ids: (B, 1) rotary positions of the new tokens (left-padded rows count
                 from their first real token); None: ``t`` for every row.
 
@@ -250,7 +252,7 @@ class LlamaModel(nn.Module):
         slot = t % positions.shape[0]
         if position_ids is None:
             position_ids = t.expand(B, 1)
-        for _, _, layer_positions, layer_real in buffers:  # keep every layer's record exact
+        for _, _, layer_positions, layer_real, _ in buffers:  # keep every layer's record exact
             layer_positions.index_copy_(0, slot, t)
             layer_real.index_fill_(1, slot, True)
         allowed = (positions >= 0)[None, :] & buffers[0][3]  # (B, C)
@@ -258,8 +260,8 @@ class LlamaModel(nn.Module):
             allowed = allowed & (t - positions < self.cfg.sliding_window)[None, :]
         mask = allowed[:, None, None, :]  # (B, C) -> (B, 1, 1, C), shared by every layer
         x = self.embed(input_ids)
-        for block, (keys, values, _, _) in zip(self.blocks, buffers, strict=True):
-            x = block.forward_step(x, mask, position_ids, slot, keys, values)
+        for block, (keys, values, _, _, finite) in zip(self.blocks, buffers, strict=True):
+            x = block.forward_step(x, mask, position_ids, slot, keys, values, finite)
         return self.lm_head(self.norm(x))
 
     def make_cache(self, kind: str = "dynamic", max_length: int | None = None) -> Cache:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlab import functional as AF
 from attnlab._checks import check_floating, divisors
 from attnlab.cache import Cache, SlidingWindowCache
 from attnlab.functional.rotary import apply_rotary_qk
+from attnlab.functional.sdpa import attention_with
 from attnlab.masks import plain, restrict, sliding_window_mask
 from attnlab.nn._names import COMPAT, FORWARD, INIT, refuse
 
@@ -217,9 +217,11 @@ class MultiHeadAttention(nn.Module):
                 position_ids = torch.arange(past, past + L, device=query.device)
             q, k = apply_rotary_qk(q, k, position_ids, self.rope_base)  # angles computed once
         allowed = None  # what the cache or the window allows
+        kv_finite = None  # (B, Hkv): the cache checked each slot for NaN/inf when writing it
         if cache is not None:
             k, v, allowed, causal = self._from_cache(cache, k, v, key_mask, causal, past, L)
             key_mask = None  # now part of allowed
+            kv_finite = cache.kv_finite(self.layer_idx)
         elif self.sliding_window is not None:
             allowed = plain(
                 sliding_window_mask(
@@ -234,8 +236,15 @@ class MultiHeadAttention(nn.Module):
         mask = _combine(allowed, plain(mask), key_mask, B, k.shape[2])
         dropout = self.attn_dropout if self.training else 0.0
         want = ("average" if average_weights else True) if return_weights else False
-        out = AF.scaled_dot_product_attention(
-            q, k, v, mask, is_causal=causal, dropout_p=dropout, return_weights=want
+        out = attention_with(
+            q,
+            k,
+            v,
+            mask,
+            is_causal=causal,
+            dropout_p=dropout,
+            return_weights=want,
+            kv_finite=kv_finite,
         )
         out, weights = out if return_weights else (out, None)
         out = out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim)
