@@ -145,6 +145,10 @@ class Cache:
     in_order = True
     #: True when the storage never changes shape or address (a compiled step may write it).
     fixed_shape = False
+    #: True while a compiled decode step runs (:class:`attnlab.models.decode.DecodeStep`):
+    #: layers then write their one new token through :meth:`write_step`, at a slot found on
+    #: the device, and the step counts it afterwards (:meth:`advance`).
+    stepping = False
 
     def __init__(self, num_layers: int | None = None) -> None:
         if num_layers is not None and (not isinstance(num_layers, int) or num_layers < 1):
@@ -276,6 +280,41 @@ class Cache:
             TypeError: a cache whose storage grows (DynamicCache): its shape and address change.
             ValueError: nothing cached yet for the layer (prefill it first).
         """
+        layer = self._fixed_layer(layer_idx)
+        return layer.keys, layer.values, layer.positions, layer.real, layer.finite
+
+    def next_position(self, layer_idx: int) -> torch.Tensor:
+        """(1,) long, on the cache's device: the position of layer ``layer_idx``'s next token
+        (the largest stored position + 1), computed without reading a Python count, so that a
+        compiled step's graph does not change from token to token."""
+        return self._fixed_layer(layer_idx).positions.max().add(1).view(1)
+
+    def write_step(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, position: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one new token per row at ``position`` ((1,), from :meth:`next_position`), in
+        place, at slot ``position % C``; return the whole storage (keys, values) as
+        :meth:`update` does. The token is counted by :meth:`advance`, after the step.
+
+        key (B, Hkv, 1, E), value (B, Hkv, 1, Ev). A full StaticCache would wrap around: the
+        caller checks it has room first (:class:`attnlab.models.decode.DecodeStep` does).
+        """
+        layer = self._fixed_layer(layer_idx)
+        if key.dim() != 4 or key.shape[2] != 1 or key.shape[:2] != layer.keys.shape[:2]:
+            raise ValueError(
+                f"write_step takes one token per row, key (B, Hkv, 1, E) = "
+                f"{(*layer.keys.shape[:2], 1, layer.keys.shape[3])}; got {tuple(key.shape)}."
+            )
+        slot = position % layer.positions.shape[0]
+        layer.keys.index_copy_(2, slot, key)
+        layer.values.index_copy_(2, slot, value)
+        layer.finite.index_copy_(2, slot, finite_slots(key, value))
+        layer.positions.index_copy_(0, slot, position)
+        layer.real.index_fill_(1, slot, True)
+        layer.view = (layer.keys, layer.values, layer.positions, layer.real, layer.finite)
+        return layer.keys, layer.values
+
+    def _fixed_layer(self, layer_idx: int) -> _Layer:
         if not self.fixed_shape:
             raise TypeError(
                 f"{type(self).__name__} grows its storage, so a compiled step cannot write into "
@@ -286,9 +325,9 @@ class Cache:
         if layer is None:
             raise ValueError(
                 f"layer_idx {layer_idx} has nothing cached yet: prefill the cache (an update of "
-                f"every layer) before writing it through buffers()."
+                f"every layer) before a decode step writes into it."
             )
-        return layer.keys, layer.values, layer.positions, layer.real, layer.finite
+        return layer
 
     def advance(self, num_tokens: int = 1) -> None:
         """Count ``num_tokens`` tokens that a compiled step wrote through :meth:`buffers`."""

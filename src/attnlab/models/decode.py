@@ -34,16 +34,13 @@ Example:
     ...     for _ in range(4):
     ...         token = step(token, cache)[:, -1:].argmax(-1)         # compiled once, replayed
 
-For models built from :class:`attnlab.nn.MultiHeadAttention` without a ``forward_step``, the
-recipe is to compile the model's own cached forward (``test_decode_compiled.py`` runs it)::
-
-    step = torch.compile(lambda tok, pos: model(tok, cache=cache, position_ids=pos),
-                         fullgraph=True)
-
-It is one graph (no break) and stops recompiling after the second step: the layer reads the
-cache's length as a Python int, which torch.compile turns into a symbolic int after it has seen
-it change once. On CUDA pass ``mode="max-autotune-no-cudagraphs"`` (or the default mode): a CUDA
-graph is recorded per value of that int, i.e. per step.
+Any other model built from :class:`attnlab.nn.MultiHeadAttention` layers (each with its
+``layer_idx``) and called as ``model(tokens, cache=cache)`` gets the same recipe from
+``DecodeStep(model)``: around the compiled call the cache is ``stepping``, and each layer then
+takes its new token's position from the cache's positions tensor (:meth:`Cache.next_position`)
+and writes it at a slot found on the device (:meth:`Cache.write_step`) instead of reading and
+counting a Python int; the step counts the token afterwards. So one graph serves every step
+(a CUDA graph on CUDA), as for Llama's ``forward_step``.
 
 References: PyTorch team, "Accelerating Generative AI with PyTorch II: GPT, Fast" (gpt-fast),
 2023.
@@ -65,7 +62,9 @@ class DecodeStep:
 
     Args:
         model: a model with ``forward_step(input_ids, buffers, position_ids)`` and ``cfg``
-            (:class:`attnlab.models.LlamaModel`).
+            (:class:`attnlab.models.LlamaModel`), or any module whose attention layers are
+            :class:`attnlab.nn.MultiHeadAttention` with a ``layer_idx``, called as
+            ``model(tokens, cache=cache)`` (and ``position_ids=`` when given).
         mode: ``torch.compile`` mode; default ``"reduce-overhead"`` (CUDA graphs) on CUDA and
             the default mode elsewhere (CUDA graphs do not exist on CPU).
         backend: ``torch.compile`` backend (``"inductor"``; tests pass a counting one).
@@ -96,11 +95,21 @@ class DecodeStep:
         backend: str | Callable = "inductor",
         compile: bool = True,
     ) -> None:
-        if not hasattr(model, "forward_step"):
-            raise TypeError(
-                f"{type(model).__name__} has no forward_step(input_ids, buffers, position_ids). "
-                f"Fix: compile its cached forward instead (see attnlab.models.decode)."
-            )
+        from attnlab.nn import MultiHeadAttention
+
+        # which cache layers the model writes: its config's, or its attention layers' indices
+        if hasattr(model, "forward_step"):
+            self.layers = list(range(model.cfg.num_layers))
+        else:
+            found = (m.layer_idx for m in model.modules() if isinstance(m, MultiHeadAttention))
+            self.layers = sorted({i for i in found if i is not None})
+            if not self.layers:
+                raise TypeError(
+                    f"{type(model).__name__} has no forward_step(input_ids, buffers, "
+                    f"position_ids) and no attnlab.nn.MultiHeadAttention layer with a layer_idx, "
+                    f"so a decode step cannot find its cache. Fix: build its attention from "
+                    f"MultiHeadAttention(..., layer_idx=i), or compile it yourself."
+                )
         self.model = model
         self.mode, self.backend, self.compile = mode, backend, compile
         self.geometry: tuple | None = None  # (kind, batch, slots, dtype, device), on first call
@@ -115,8 +124,13 @@ class DecodeStep:
                 f"whose storage grows. Fix: cache='static' (StaticCache(max_length)), or "
                 f"compile=False."
             )
-        window = self.model.cfg.sliding_window
-        if isinstance(cache, SlidingWindowCache) and (window is None or window > cache.window):
+        cfg = getattr(self.model, "cfg", None)  # (layers built from MultiHeadAttention check
+        window = getattr(cfg, "sliding_window", None)  # their window themselves)
+        if (
+            cfg is not None
+            and isinstance(cache, SlidingWindowCache)
+            and (window is None or window > cache.window)
+        ):
             raise ValueError(
                 f"a SlidingWindowCache of window {cache.window} drops keys this model still "
                 f"attends to (sliding_window={window}). Fix: a StaticCache, or a model with "
@@ -135,19 +149,26 @@ class DecodeStep:
         tokens = _dense(tokens)
         if position_ids is not None:
             position_ids = _dense(position_ids)
-        buffers = tuple(cache.buffers(i) for i in range(self.model.cfg.num_layers))
         if self._fn is None:
             self._fn = self._build(tokens.device)
         with torch.no_grad():
             if self._cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are done
-            logits = self._fn(tokens, buffers, position_ids)
+            if hasattr(self.model, "forward_step"):
+                buffers = tuple(cache.buffers(i) for i in self.layers)
+                logits = self._fn(tokens, buffers, position_ids)
+            else:
+                cache.stepping = True  # the layers write through cache.write_step
+                try:
+                    logits = self._fn(tokens, cache, position_ids)
+                finally:
+                    cache.stepping = False
         cache.advance(1)
         # A CUDA graph's outputs live in its memory pool and the next replay overwrites them.
         return logits.clone() if self._cuda_graphs else logits
 
     def _build(self, device: torch.device) -> Callable:
-        fn = self.model.forward_step
+        fn = getattr(self.model, "forward_step", None) or self._call_model
         if not self.compile:
             return fn
         mode = self.mode
@@ -158,17 +179,28 @@ class DecodeStep:
         # and the CPU code is faster with constant sizes); fullgraph: a break would be a bug.
         return torch.compile(fn, mode=mode, backend=self.backend, fullgraph=True, dynamic=False)
 
+    def _call_model(self, tokens, cache, position_ids):
+        if position_ids is None:
+            return self.model(tokens, cache=cache)
+        return self.model(tokens, cache=cache, position_ids=position_ids)
+
     def _check(self, tokens: torch.Tensor, cache: Cache, position_ids) -> None:
         self.check_cache_kind(cache)
-        num_layers = self.model.cfg.num_layers
-        lengths = {cache.get_seq_length(i) for i in range(num_layers)}
+        num_layers = len(self.layers)
+        lengths = {cache.get_seq_length(i) for i in self.layers}
         if 0 in lengths or len(lengths) != 1:
             raise ValueError(
                 f"the cache must hold the prompt in all {num_layers} layers before a decode "
                 f"step; got lengths {sorted(lengths)}. Fix: prefill it with model(prompt, "
                 f"cache=cache) first (the prefill is not part of the compiled step)."
             )
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[1] != 1:
+        ids_only = hasattr(self.model, "forward_step")  # (other models may take (B, 1, D))
+        if (
+            not isinstance(tokens, torch.Tensor)
+            or tokens.dim() < 2
+            or (ids_only and tokens.dim() != 2)
+            or tokens.shape[1] != 1
+        ):
             got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens)
             raise ValueError(
                 f"a decode step takes one token per row, tokens (B, 1); got {got}. Fix: "
@@ -181,9 +213,9 @@ class DecodeStep:
                 f"(the tokens) without reorder(). Fix: cache.reorder(index) to follow beams or "
                 f"filter rows, or reset() the cache and prefill the new batch."
             )
-        if position_ids is not None and position_ids.shape != tokens.shape:
+        if position_ids is not None and position_ids.shape != tokens.shape[:2]:
             raise ValueError(
-                f"position_ids must be (B, 1) = {tuple(tokens.shape)} like the tokens; got "
+                f"position_ids must be (B, 1) = {tuple(tokens.shape[:2])} like the tokens; got "
                 f"{tuple(position_ids.shape)}."
             )
         length = lengths.pop()
@@ -192,7 +224,7 @@ class DecodeStep:
                 f"StaticCache of max_length={cache.max_length} is full ({length} tokens). Fix: "
                 f"StaticCache(max_length >= {length + 1})."
             )
-        keys = cache.buffers(0)[0]
+        keys = cache.buffers(self.layers[0])[0]
         geometry = (type(cache).__name__, cache.batch_size, cache.capacity, keys.dtype, keys.device)
         if self.geometry is None:
             self.geometry = geometry
@@ -210,4 +242,8 @@ class DecodeStep:
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` with the contiguous strides of its shape (also for size-1 dims, which
     ``contiguous()`` leaves as they are)."""
-    return t if t.stride() == (1, 1) else t.clone(memory_format=torch.contiguous_format)
+    dense, n = [], 1
+    for size in reversed(t.shape):  # (B, 1) -> (1, 1); (B, 1, D) -> (D, D, 1)
+        dense.insert(0, n)
+        n *= max(size, 1)
+    return t if t.stride() == tuple(dense) else t.clone(memory_format=torch.contiguous_format)

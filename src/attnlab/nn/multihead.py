@@ -211,15 +211,21 @@ class MultiHeadAttention(nn.Module):
                 "this layer has no layer_idx, so it cannot use a cache. Fix: "
                 "MultiHeadAttention(..., layer_idx=i), one index per layer."
             )
-        past = 0 if cache is None else cache.get_seq_length(self.layer_idx)
+        q_pos = None  # (L,) positions of the new tokens, with a cache
+        if cache is not None and cache.stepping:  # a compiled decode step: no Python count
+            self._check_step(cache, L, key_mask)
+            q_pos = cache.next_position(self.layer_idx)  # (1,), on the device
+        elif cache is not None:
+            past = cache.get_seq_length(self.layer_idx)
+            q_pos = torch.arange(past, past + L, device=query.device)
         if self.rope_base is not None:
             if position_ids is None:
-                position_ids = torch.arange(past, past + L, device=query.device)
+                position_ids = torch.arange(L, device=query.device) if q_pos is None else q_pos
             q, k = apply_rotary_qk(q, k, position_ids, self.rope_base)  # angles computed once
         allowed = None  # what the cache or the window allows
         kv_finite = None  # (B, Hkv): the cache checked each slot for NaN/inf when writing it
         if cache is not None:
-            k, v, allowed, causal = self._from_cache(cache, k, v, key_mask, causal, past, L)
+            k, v, allowed, causal = self._from_cache(cache, k, v, key_mask, causal, q_pos)
             key_mask = None  # now part of allowed
             kv_finite = cache.kv_finite(self.layer_idx)
         elif self.sliding_window is not None:
@@ -251,8 +257,30 @@ class MultiHeadAttention(nn.Module):
         out = self.out_dropout(self.o_proj(out))  # (B, H, L, E) -> (B, L, H*E) -> (B, L, D)
         return (out, weights) if return_weights else out
 
-    def _from_cache(self, cache, k, v, key_mask, causal, past, L):
-        """Store the new keys/values; return all keys, values, the mask and the alignment."""
+    def _from_cache(self, cache, k, v, key_mask, causal, q_pos):
+        """Store the new keys/values (at positions ``q_pos`` (L,)); return all keys, values,
+        the mask and the alignment."""
+        self._check_window(cache)
+        if cache.stepping:  # the slot found on the device; counted after the step
+            keys, values = cache.write_step(k, v, self.layer_idx, q_pos)
+        else:
+            keys, values = cache.update(k, v, self.layer_idx, key_mask=key_mask)
+        padding = cache.key_mask(self.layer_idx)
+        mask = None if padding is None else padding[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+        if cache.in_order and self.sliding_window is None:
+            # slots 0..S-1 in order: the new queries are the last L -> bottom-right alignment
+            return keys, values, mask, "bottom_right" if causal else False
+        k_pos = cache.key_positions(self.layer_idx)  # (S,), -1 = empty slot
+        L = q_pos.shape[0]
+        allowed = (k_pos >= 0)[None, :].expand(L, -1)  # (L, S)
+        if causal:
+            allowed = allowed & (k_pos[None, :] <= q_pos[:, None])
+        if self.sliding_window is not None:
+            allowed = allowed & (q_pos[:, None] - k_pos[None, :] < self.sliding_window)
+        mask = allowed if mask is None else mask & allowed
+        return keys, values, mask, False
+
+    def _check_window(self, cache) -> None:
         if isinstance(cache, SlidingWindowCache) and (
             self.sliding_window is None or self.sliding_window > cache.window
         ):
@@ -261,21 +289,15 @@ class MultiHeadAttention(nn.Module):
                 f"attends to (sliding_window={self.sliding_window}). Fix: "
                 f"MultiHeadAttention(..., sliding_window=w) with w <= {cache.window}."
             )
-        keys, values = cache.update(k, v, self.layer_idx, key_mask=key_mask)
-        padding = cache.key_mask(self.layer_idx)
-        mask = None if padding is None else padding[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
-        if cache.in_order and self.sliding_window is None:
-            # slots 0..S-1 in order: the new queries are the last L -> bottom-right alignment
-            return keys, values, mask, "bottom_right" if causal else False
-        k_pos = cache.key_positions(self.layer_idx)  # (S,), -1 = empty slot
-        q_pos = torch.arange(past, past + L, device=k.device)  # (L,)
-        allowed = (k_pos >= 0)[None, :].expand(L, -1)  # (L, S)
-        if causal:
-            allowed = allowed & (k_pos[None, :] <= q_pos[:, None])
-        if self.sliding_window is not None:
-            allowed = allowed & (q_pos[:, None] - k_pos[None, :] < self.sliding_window)
-        mask = allowed if mask is None else mask & allowed
-        return keys, values, mask, False
+
+    def _check_step(self, cache, L, key_mask) -> None:
+        """A compiled decode step (``cache.stepping``) writes one real token per row."""
+        if L != 1 or key_mask is not None:
+            raise ValueError(
+                f"a decode step (cache.stepping) writes one new token per row with no key_mask; "
+                f"got L={L}" + (" and a key_mask" if key_mask is not None else "") + ". Fix: "
+                "prefill the prompt (and its padding) with an ordinary call, outside the step."
+            )
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
