@@ -161,3 +161,16 @@ def test_with_inductor_the_real_code_equals_eager():
     got, got_tokens = decode(model, DecodeStep(model), StaticCache(12), ids, 5)
     assert torch.equal(got_tokens, tokens)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_full_static_cache_is_refused_by_an_eager_step_write():
+    cache = StaticCache(3)
+    k = torch.randn(1, 2, 3, 4)
+    cache.update(k, k, 0)
+    with pytest.raises(ValueError, match=r"max_length=3 is full.*overwrite the first"):
+        cache.write_step(k[:, :, :1], k[:, :, :1], 0, cache.next_position(0))
+    ring = SlidingWindowCache(3)
+    ring.update(k, k, 0)
+    ring.write_step(k[:, :, :1] * 0, k[:, :, :1] * 0, 0, ring.next_position(0))  # wraps: fine
+    ring.advance(1)
+    assert ring.key_positions(0).tolist() == [3, 1, 2] and ring.get_seq_length(0) == 4

@@ -296,16 +296,27 @@ class Cache:
         place, at slot ``position % C``; return the whole storage (keys, values) as
         :meth:`update` does. The token is counted by :meth:`advance`, after the step.
 
-        key (B, Hkv, 1, E), value (B, Hkv, 1, Ev). A full StaticCache would wrap around: the
-        caller checks it has room first (:class:`attnlab.models.decode.DecodeStep` does).
+        key (B, Hkv, 1, E), value (B, Hkv, 1, Ev). A full StaticCache is refused when run
+        eagerly; a compiled step cannot look (no host sync), so its caller checks for room
+        first (:class:`attnlab.models.decode.DecodeStep` does).
         """
         layer = self._fixed_layer(layer_idx)
+        C = layer.positions.shape[0]
+        if (
+            isinstance(self, StaticCache)
+            and not torch.compiler.is_compiling()
+            and layer.length >= C
+        ):
+            raise ValueError(
+                f"StaticCache of max_length={C} is full ({layer.length} tokens): the next token "
+                f"would overwrite the first. Fix: StaticCache(max_length >= {layer.length + 1})."
+            )
         if key.dim() != 4 or key.shape[2] != 1 or key.shape[:2] != layer.keys.shape[:2]:
             raise ValueError(
                 f"write_step takes one token per row, key (B, Hkv, 1, E) = "
                 f"{(*layer.keys.shape[:2], 1, layer.keys.shape[3])}; got {tuple(key.shape)}."
             )
-        slot = position % layer.positions.shape[0]
+        slot = position % C  # (a ring: SlidingWindowCache; a StaticCache never wraps)
         layer.keys.index_copy_(2, slot, key)
         layer.values.index_copy_(2, slot, value)
         layer.finite.index_copy_(2, slot, finite_slots(key, value))
