@@ -119,9 +119,14 @@ def test_beam_reorder_between_steps_keeps_the_graph():
     eager = lambda tok, cache: model(tok, cache=cache)  # noqa: E731
     want, _ = decode(model, eager, StaticCache(16), ids, 6, reorder=(3, index))
     graphs = Graphs()
-    got, _ = decode(model, DecodeStep(model, backend=graphs), StaticCache(16), ids, 6, (3, index))
+    step = DecodeStep(model, backend=graphs)
+    got, _ = decode(model, step, StaticCache(16), ids, 6, (3, index))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    assert len(graphs.inputs) == 1
+    again, _ = decode(model, step, StaticCache(16), ids, 6)  # a new cache of the same geometry
+    torch.testing.assert_close(
+        again, decode(model, eager, StaticCache(16), ids, 6)[0], rtol=0, atol=1e-5
+    )
+    assert len(graphs.inputs) == 1  # one graph for both caches, reorders included
 
 
 def test_eager_step_and_misuse():
