@@ -53,6 +53,15 @@ def finite_slots(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return top < float("inf")
 
 
+def write_token(keys, values, finite, slot, key, value) -> None:
+    """Write one new token per row in place at ``slot`` (1,), a tensor (no Python int, for
+    compiled steps): key (B, Hkv, 1, E) into keys (B, Hkv, C, E), value likewise, and its
+    :func:`finite_slots` verdict into finite (B, Hkv, C)."""
+    keys.index_copy_(2, slot, key)
+    values.index_copy_(2, slot, value)
+    finite.index_copy_(2, slot, finite_slots(key, value))
+
+
 class _Layer:
     """One layer's storage: keys (B, Hkv, C, E), values (B, Hkv, C, Ev), padding (B, C), and
     finite (B, Hkv, C): whether each slot's key and value are free of NaN and inf."""
@@ -94,6 +103,10 @@ class _Layer:
             self.padded = True
         else:
             self.real[:, slots] = True
+
+    def storage(self) -> tuple[torch.Tensor, ...]:
+        """(keys, values, positions, real, finite): all of it, as a fixed-shape cache returns."""
+        return self.keys, self.values, self.positions, self.real, self.finite
 
     def fits(self, key: torch.Tensor, value: torch.Tensor, capacity: int) -> bool:
         """Whether this storage can hold a new sequence of these keys/values."""
@@ -280,8 +293,7 @@ class Cache:
             TypeError: a cache whose storage grows (DynamicCache): its shape and address change.
             ValueError: nothing cached yet for the layer (prefill it first).
         """
-        layer = self._fixed_layer(layer_idx)
-        return layer.keys, layer.values, layer.positions, layer.real, layer.finite
+        return self._fixed_layer(layer_idx).storage()
 
     def next_position(self, layer_idx: int) -> torch.Tensor:
         """(1,) long, on the cache's device: the position of layer ``layer_idx``'s next token
@@ -317,12 +329,10 @@ class Cache:
                 f"{(*layer.keys.shape[:2], 1, layer.keys.shape[3])}; got {tuple(key.shape)}."
             )
         slot = position % C  # (a ring: SlidingWindowCache; a StaticCache never wraps)
-        layer.keys.index_copy_(2, slot, key)
-        layer.values.index_copy_(2, slot, value)
-        layer.finite.index_copy_(2, slot, finite_slots(key, value))
+        write_token(layer.keys, layer.values, layer.finite, slot, key, value)
         layer.positions.index_copy_(0, slot, position)
         layer.real.index_fill_(1, slot, True)
-        layer.view = (layer.keys, layer.values, layer.positions, layer.real, layer.finite)
+        layer.view = layer.storage()
         return layer.keys, layer.values
 
     def _fixed_layer(self, layer_idx: int) -> _Layer:
@@ -344,7 +354,7 @@ class Cache:
         """Count ``num_tokens`` tokens that a compiled step wrote through :meth:`buffers`."""
         for layer in self._layers.values():
             layer.length += num_tokens
-            layer.view = (layer.keys, layer.values, layer.positions, layer.real, layer.finite)
+            layer.view = layer.storage()
 
     # -- for subclasses -------------------------------------------------------------------------
 
@@ -471,7 +481,7 @@ class StaticCache(Cache):
                 f"DynamicCache."
             )
         layer.write(slice(start, end), key, value, padding, start)
-        return layer.keys, layer.values, layer.positions, layer.real, layer.finite
+        return layer.storage()
 
 
 class SlidingWindowCache(Cache):
@@ -500,7 +510,7 @@ class SlidingWindowCache(Cache):
         L, W = key.shape[2], self.window
         if L == 1:  # decode: overwrite the slot of the token that just left the window
             layer.write(slice(start % W, start % W + 1), key, value, padding, start)
-            return layer.keys, layer.values, layer.positions, layer.real, layer.finite
+            return layer.storage()
         # prefill: attention needs the old window and every new token; the ring keeps the last W
         real = padding if padding is not None else torch.ones_like(layer.real[:, :1]).expand(-1, L)
         finite = finite_slots(key, value)  # (B, Hkv, L)

@@ -80,10 +80,10 @@ def nonfinite_rows(
     bad = ~_finite_rows(query)[..., None]  # (..., L, 1)
     if kv_finite is None:
         kv_finite = _finite_rows(key.flatten(-2)) & _finite_rows(value.flatten(-2))
-    kv_ok = kv_finite
     if query.dim() == 4 and key.dim() == 4 and 0 < key.shape[1] != query.shape[1]:
-        kv_ok = kv_ok.repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # (B, Hkv) -> (B, H)
-    return bad | ~kv_ok[..., None, None]
+        G = query.shape[1] // key.shape[1]
+        kv_finite = kv_finite.repeat_interleave(G, dim=1)  # (B, Hkv) -> (B, H)
+    return bad | ~kv_finite[..., None, None]
 
 
 def propagate_nonfinite(query, key, value, out, weights=None, kv_finite=None):
@@ -99,20 +99,16 @@ def propagate_nonfinite(query, key, value, out, weights=None, kv_finite=None):
     """
     if query.device.type == "cpu" and not torch.compiler.is_compiling():
         # (written out, no dtype argument unless needed: each costs ~1 us at tiny shapes)
-        if kv_finite is not None:
-            total = query.sum(dtype=torch.float32).item()
-            if math.isfinite(total) and bool(kv_finite.all()):
-                return out, weights
+        if kv_finite is not None:  # the caller vouched for K and V: screen the query only
+            clean = math.isfinite(query.sum(dtype=torch.float32).item()) and bool(kv_finite.all())
         elif query.dtype in _SHORT:  # 16-bit sums overflow early: sum in float32
             f32 = torch.float32
             total = query.sum(dtype=f32).item() + key.sum(dtype=f32).item()
-            total += value.sum(dtype=f32).item()
-            if math.isfinite(total):
-                return out, weights
+            clean = math.isfinite(total + value.sum(dtype=f32).item())
         else:
-            total = query.sum().item() + key.sum().item() + value.sum().item()
-            if math.isfinite(total):
-                return out, weights
+            clean = math.isfinite(query.sum().item() + key.sum().item() + value.sum().item())
+        if clean:
+            return out, weights
     bad = nonfinite_rows(query, key, value, kv_finite)
     out = _fill_nan(out, bad)
     if weights is not None:

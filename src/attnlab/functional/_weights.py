@@ -192,8 +192,8 @@ class WeightsAttention(torch.autograd.Function):
         d_rows = (d_out * out).sum(-1, keepdim=True)  # (B, H, L, 1)
         blocks = _Blocks(q, k, mask, ctx.alignment, BACKWARD_BLOCK_BYTES)
         qs = q * scale
-        w_buf = q.new_empty(blocks.heads, blocks.rows, k.shape[2])
-        dw_buf = torch.empty_like(w_buf)
+        dw_buf = q.new_empty(blocks.heads, blocks.rows, k.shape[2])
+        w_buf = torch.empty_like(dw_buf) if weights is None else None  # (averaged: recomputed)
         for b, hs, rs, kv in blocks:
             kb, vb = k[b, kv], v[b, kv]  # (h, S, E), (h, S, Ev)
             h, r = hs.stop - hs.start, rs.stop - rs.start

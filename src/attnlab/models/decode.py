@@ -53,6 +53,7 @@ from collections.abc import Callable
 import torch
 
 from attnlab.cache import Cache, SlidingWindowCache, StaticCache
+from attnlab.nn import MultiHeadAttention
 
 __all__ = ["DecodeStep"]
 
@@ -95,10 +96,9 @@ class DecodeStep:
         backend: str | Callable = "inductor",
         compile: bool = True,
     ) -> None:
-        from attnlab.nn import MultiHeadAttention
-
         # which cache layers the model writes: its config's, or its attention layers' indices
-        if hasattr(model, "forward_step"):
+        self.own_step = hasattr(model, "forward_step")  # (else: model(tokens, cache=cache))
+        if self.own_step:
             self.layers = list(range(model.cfg.num_layers))
         else:
             found = (m.layer_idx for m in model.modules() if isinstance(m, MultiHeadAttention))
@@ -154,7 +154,7 @@ class DecodeStep:
         with torch.no_grad():
             if self._cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are done
-            if hasattr(self.model, "forward_step"):
+            if self.own_step:
                 buffers = tuple(cache.buffers(i) for i in self.layers)
                 logits = self._fn(tokens, buffers, position_ids)
             else:
@@ -168,7 +168,7 @@ class DecodeStep:
         return logits.clone() if self._cuda_graphs else logits
 
     def _build(self, device: torch.device) -> Callable:
-        fn = getattr(self.model, "forward_step", None) or self._call_model
+        fn = self.model.forward_step if self.own_step else self._call_model
         if not self.compile:
             return fn
         mode = self.mode
@@ -194,11 +194,10 @@ class DecodeStep:
                 f"step; got lengths {sorted(lengths)}. Fix: prefill it with model(prompt, "
                 f"cache=cache) first (the prefill is not part of the compiled step)."
             )
-        ids_only = hasattr(self.model, "forward_step")  # (other models may take (B, 1, D))
         if (
             not isinstance(tokens, torch.Tensor)
             or tokens.dim() < 2
-            or (ids_only and tokens.dim() != 2)
+            or (self.own_step and tokens.dim() != 2)  # (other models may take (B, 1, D))
             or tokens.shape[1] != 1
         ):
             got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens)

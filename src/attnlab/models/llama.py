@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnlab.cache import Cache, DynamicCache, SlidingWindowCache, StaticCache, finite_slots
+from attnlab.cache import Cache, DynamicCache, SlidingWindowCache, StaticCache, write_token
 from attnlab.functional.rotary import apply_rotary_qk
 from attnlab.functional.sdpa import attention_with
 from attnlab.nn import MultiHeadAttention
@@ -147,9 +147,7 @@ class Block(nn.Module):
         k = attn.k_proj(h).view(B, 1, Hkv, E).transpose(1, 2)  # (B, 1, Hkv*E) -> (B, Hkv, 1, E)
         v = attn.v_proj(h).view(B, 1, Hkv, E).transpose(1, 2)
         q, k = apply_rotary_qk(q, k, position_ids, attn.rope_base)
-        keys.index_copy_(2, slot, k)  # the new token's key/value into its slot, in place
-        values.index_copy_(2, slot, v)
-        finite.index_copy_(2, slot, finite_slots(k, v))  # checked once, here: NaN policy
+        write_token(keys, values, finite, slot, k, v)  # in place; finiteness checked once
         out = attention_with(q, keys, values, mask, kv_finite=finite.all(-1))  # (B, H, 1, E)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(B, 1, H * E))  # -> (B, 1, H*E) -> D
         return self._mlp(x)
