@@ -7,7 +7,8 @@
 3. ``additive_attention`` vs the naive Bahdanau formula (seed 002's ``AdditiveAttention``):
    time and peak memory at B=8, L=S=1024, A=256. Target: >= 5x less peak memory, not slower.
 4. ``attnlab.kernels.cpu_flash`` (the blocked CPU kernel) vs torch SDPA, forward+backward:
-   bf16 (target: <= 0.5x torch's time), fp32 (reported: the dispatch picks the faster), and
+   bf16 (target: <= 0.5x torch's time; fp16 too, and which of the two the dispatch's one-off
+   probe picks, :mod:`attnlab.kernels.choice`), fp32 (reported: the dispatch picks the faster), and
    dropout_p=0.1 (targets: <= 0.2x torch's time, <= 2x without dropout, <= 1/4 of torch's peak
    memory). Run it with ``--threads 1`` and ``--threads 2``.
 
@@ -29,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attnlab.functional as AF  # noqa: E402
-from attnlab.kernels import flash_attention  # noqa: E402
+from attnlab.kernels import choice, flash_attention  # noqa: E402
 from common import header, peak_rss_mib_in_child, ratio_line, report_peak, round_robin  # noqa: E402
 
 SDPA_SHAPES = [(8, 8, 256, 64), (4, 8, 1024, 64), (1, 8, 4096, 64)]
@@ -256,7 +257,11 @@ def bench_additive(rounds: int, skip_naive: bool) -> None:
 def bench_flash(rounds: int, quick: bool) -> None:
     header("attnlab.kernels.cpu_flash vs torch SDPA, forward+backward (bf16 target <= 0.5)")
     shapes = SDPA_SHAPES[1:2] if quick else SDPA_SHAPES
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        if dtype != torch.float32:  # what the dispatch picks for 16-bit training, and why
+            pick = choice.training_16bit(dtype, 64, 64)
+            print(f"dispatch for {dtype} training: {'cpu_flash' if pick.blocked else 'torch'} "
+                  f"({pick.why})")  # fmt: skip
         for shape in shapes:
             q, k, v = sdpa_inputs(shape, dtype)
             big = shape[2] >= 4096

@@ -1,4 +1,5 @@
-"""The dispatch sends dropout and 16-bit training on CPU to attnlab's blocked kernel (issue 10)."""
+"""The dispatch sends dropout, and 16-bit training where it is faster, to attnlab's blocked
+kernel on CPU (issue 10)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 import attnlab.functional as AF
 from attnlab.functional import sdpa
+from attnlab.kernels import choice
 
 
 def qkv(dtype=torch.float32, grad=False, seed=0):
@@ -27,16 +29,69 @@ def test_dropout_on_cpu_takes_the_blocked_kernel_and_says_why():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16_bit_training_takes_the_kernel_inference_keeps_torchs(dtype):
+def test_16_bit_training_takes_the_kernel_set_inference_keeps_torchs(dtype, monkeypatch):
     q, k, v = qkv(dtype, grad=True)
-    assert AF.explain(q, k, v, is_causal="bottom_right").path == "cpu_flash"
+    monkeypatch.setenv(choice.ENV, "attnlab")
+    d = AF.explain(q, k, v, is_causal="bottom_right")
+    assert d.path == "cpu_flash" and f"{choice.ENV}=attnlab" in str(d)
     with torch.no_grad():
         assert AF.explain(q, k, v).path == "fused"
     assert AF.explain(*qkv(torch.float32, grad=True)).path == "fused"  # torch is faster there
+    monkeypatch.setenv(choice.ENV, "torch")
+    d = AF.explain(q, k, v, is_causal="bottom_right")
+    assert d.path == "fused" and f"{choice.ENV}=torch" in str(d)
+    # dropout keeps the kernel whatever the setting: torch has no fused dropout on CPU
+    assert AF.explain(q, k, v, dropout_p=0.1).path == "cpu_flash"
 
 
+@pytest.mark.parametrize("ratio, path", [(0.25, "cpu_flash"), (1.4, "fused")])
+def test_16_bit_training_takes_the_kernel_measured_faster_once(ratio, path, monkeypatch):
+    calls = []
+
+    def timed(dtype, E, Ev):
+        calls.append((dtype, E, Ev))
+        return ratio
+
+    monkeypatch.delenv(choice.ENV, raising=False)
+    monkeypatch.setattr(choice, "measure", timed)
+    choice._measured.cache_clear()
+    try:
+        q, k, v = qkv(torch.bfloat16, grad=True)
+        for _ in range(3):
+            d = AF.explain(q, k, v)
+            assert d.path == path and f"x{ratio:.2f} torch's" in str(d), d
+        out = AF.scaled_dot_product_attention(q, k, v)
+        assert calls == [(torch.bfloat16, 16, 8)]  # once per process and head sizes
+        AF.explain(*qkv(torch.float16, grad=True))
+        assert calls[-1] == (torch.float16, 16, 8) and len(calls) == 2
+    finally:
+        choice._measured.cache_clear()
+    want = sdpa._eager(q.double(), k.double(), v.double(), None, None, 16**-0.5, 0.0)[0]
+    torch.testing.assert_close(out.float(), want.float(), rtol=0.05, atol=0.05)
+
+
+def test_the_measurement_times_both_kernels_and_leaves_the_process_as_it_was():
+    state = torch.get_rng_state()
+    with torch.no_grad():
+        ratio = choice.measure(torch.bfloat16, 16, 8, rounds=1)
+        assert not torch.is_grad_enabled()
+    assert 0 < ratio < float("inf")
+    assert torch.equal(torch.get_rng_state(), state)  # the probe drew from its own generator
+
+
+def test_a_bad_kernel_setting_is_refused_with_the_choices(monkeypatch):
+    monkeypatch.setenv(choice.ENV, "fast")
+    with pytest.raises(ValueError, match=r"ATTNLAB_CPU_TRAINING_KERNEL must be one of measure, "
+                       r"attnlab, torch; got 'fast'"):  # fmt: skip
+        AF.explain(*qkv(torch.bfloat16, grad=True))
+
+
+@pytest.mark.parametrize("setting", ["attnlab", "torch"])
 @pytest.mark.parametrize("causal", [False, "bottom_right"])
-def test_the_dispatched_kernel_equals_the_eager_formula_with_gradients(causal):
+def test_the_dispatched_kernel_equals_the_eager_formula_with_gradients(
+    causal, setting, monkeypatch
+):
+    monkeypatch.setenv(choice.ENV, setting)
     q, k, v = qkv(torch.bfloat16, grad=True)
     mask = torch.rand(2, 1, 33, 40, generator=torch.Generator().manual_seed(1)) > 0.2
     out = AF.scaled_dot_product_attention(q, k, v, mask, is_causal=causal)

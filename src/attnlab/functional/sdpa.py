@@ -17,7 +17,8 @@
   them skipped, forward and backward).
 * **cpu_flash** -- attnlab's blocked CPU kernel (:mod:`attnlab.kernels.cpu_flash`), where
   torch's CPU kernel falls short: dropout (torch's has none and falls back to its math path)
-  and 16-bit training (torch's bf16 backward is slower than its float32 one).
+  and 16-bit training where the blocked kernel is faster on this CPU (measured once per
+  process: :mod:`attnlab.kernels.choice`).
 * **eager** -- the readable formula ``masked_softmax(Q K^T * scale) V``: weights with dropout,
   16-bit weights that need gradients, and what the blocked kernel does not take.
 
@@ -164,29 +165,37 @@ def _choose(
                 f"S){backward}",
             ),
         )
+    measured = None  # why torch's kernel trains this 16-bit call, when measured faster
     if query.device.type == "cpu" and (dropout_p > 0 or _trains_16bit(query, key, value)):
-        # Measured in benchmarks/bench_core.py (--only flash): the blocked kernel trains bf16 at
-        # 0.22-0.29x torch's time and runs dropout at 0.5-0.67x its time and 1/4 its memory;
-        # torch stays faster in float32 without dropout (kernel 1.1-1.5x), so it keeps those.
-        why = (
-            "dropout_p > 0 on CPU: torch's fused CPU kernel has no dropout (its math path is "
-            "slower and holds (B, H, L, S))"
-            if dropout_p > 0
-            else f"{query.dtype} with autograd on CPU: torch's kernel trains 16-bit attention "
-            "slower than float32"
-        )
+        # Measured in benchmarks/bench_core.py (--only flash): the blocked kernel runs dropout
+        # at 0.5-0.67x torch's time and 1/4 its memory; torch stays faster in float32 without
+        # dropout (kernel 1.1-1.5x), so it keeps those. Which trains 16-bit attention faster
+        # depends on the CPU: measured once per process (attnlab.kernels.choice).
         unfit = (
             "under torch.compile (its graph keeps torch's ops)"
             if torch.compiler.is_compiling()
             else kernels.supports(query, key, value, attn_mask, dropout_p)
         )
-        if unfit is None:
-            return Dispatch("cpu_flash", (why, kernels.describe(query, key, value, alignment)))
         if dropout_p > 0:
-            return Dispatch("eager", (why, f"attnlab's blocked kernel does not serve: {unfit}"))
+            said = (
+                "dropout_p > 0 on CPU: torch's fused CPU kernel has no dropout (its math path "
+                "is slower and holds (B, H, L, S))"
+            )
+            if unfit is None:
+                return Dispatch("cpu_flash", (said, kernels.describe(query, key, value, alignment)))
+            return Dispatch("eager", (said, f"attnlab's blocked kernel does not serve: {unfit}"))
+        if unfit is None:
+            Ev = query.shape[-1] if value is None else value.shape[-1]
+            choice = kernels.training_16bit(query.dtype, query.shape[-1], Ev)
+            said = f"{query.dtype} with autograd on CPU: the faster kernel here ({choice.why})"
+            if choice.blocked:
+                return Dispatch("cpu_flash", (said, kernels.describe(query, key, value, alignment)))
+            measured = said
     if not why:
         return _FUSED
     reasons = ["torch F.scaled_dot_product_attention"]
+    if measured:
+        reasons.append(measured)
     if key.shape[1] != query.shape[1]:
         reasons.append(f"grouped-query heads H={query.shape[1]}, Hkv={key.shape[1]} (enable_gqa)")
     L, S = query.shape[-2], key.shape[-2]

@@ -4,6 +4,9 @@
   and backward, with dropout inside the blocks: ``flash_attention(q, k, v, mask, alignment,
   scale, dropout_p, generator=None)``, ``supports(q, k, v, mask, dropout_p)`` (None, or why
   not) and ``describe(q, k, v, alignment)`` (the tiling in one line, for ``explain()``).
+  :mod:`attnlab.kernels.choice` -- ``training_16bit(dtype, E, Ev)``: whether it or torch's
+  kernel trains 16-bit attention faster on this CPU (measured once per process, or set by
+  ``ATTNLAB_CPU_TRAINING_KERNEL``).
 
 * Triton kernels (GPU; on CPU tensors through Triton's interpreter under ``TRITON_INTERPRET=1``,
   see :mod:`attnlab.kernels._triton`), imported only when they run:
@@ -17,6 +20,7 @@ The kernels depend on nothing above them (no ``attnlab.functional`` import): the
 :mod:`attnlab.functional.sdpa` checks inputs and applies the NaN policy around them.
 """
 
+from attnlab.kernels.choice import training_16bit
 from attnlab.kernels.cpu_flash import describe, flash_attention, supports
 
-__all__ = ["describe", "flash_attention", "supports"]
+__all__ = ["describe", "flash_attention", "supports", "training_16bit"]
