@@ -463,6 +463,9 @@ def _fused(q, k, v, mask, alignment, scale, dropout_p):
         mask = with_causal(mask, alignment, L, S, q.device)
     if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)
+    gqa = False  # a Python bool also under symbolic shapes (the branch is a guard)
+    if k.shape[1] != q.shape[1]:
+        gqa = True
     out = F.scaled_dot_product_attention(
         q,
         k,
@@ -471,7 +474,7 @@ def _fused(q, k, v, mask, alignment, scale, dropout_p):
         dropout_p=dropout_p,
         is_causal=torch_causal,
         scale=scale,
-        enable_gqa=k.shape[1] != q.shape[1],
+        enable_gqa=gqa,
     )
     if mask is not None and q.device.type != "cpu":
         # CPU's kernel returns 0 for rows with no attendable key; others may return NaN.

@@ -19,7 +19,9 @@ products. The recipe:
 
 A :class:`DecodeStep` is bound to one cache geometry (batch size, slots, dtype, device, cache
 kind): the first call compiles for it, and a cache of another geometry is refused with the fix
-(shapes are part of the graph; build another ``DecodeStep`` for it). The batch can be reordered
+(shapes are part of the graph; build another ``DecodeStep`` for it), unless it was built with
+``dynamic=True`` (or None): then sizes are symbolic and one graph serves every geometry (on CUDA
+a CUDA graph is still recorded per geometry). The batch can be reordered
 in place between steps (beam search: ``cache.reorder(index)`` with the same batch size).
 
 Example:
@@ -70,10 +72,17 @@ class DecodeStep:
             the default mode elsewhere (CUDA graphs do not exist on CPU).
         backend: ``torch.compile`` backend (``"inductor"``; tests pass a counting one).
         compile: False runs the same fast path eagerly (no compilation).
+        dynamic: ``torch.compile``'s ``dynamic``: False (the default) specialises the graph to
+            the cache's geometry; True compiles with symbolic sizes and None makes the sizes
+            that change symbolic after the first change: either serves every geometry (the
+            translator's beam search, whose batches differ in source length and cache size).
 
     Calling it with ``tokens`` (B, 1), a prefilled StaticCache (or SlidingWindowCache for a
     sliding-window model) and optional ``position_ids`` (B, 1) appends the tokens to the cache
     and returns (B, 1, vocab) logits, as ``model(tokens, cache=cache, position_ids=...)`` would.
+    Other keyword arguments (tensors, or tuples of them: an encoder's memory) are passed on to
+    a model of MultiHeadAttention layers as inputs of the graph; their shapes are part of the
+    geometry.
     On CUDA graphs the logits are a copy (the graph's own output is overwritten by the next
     replay).
 
@@ -83,9 +92,10 @@ class DecodeStep:
 
     Raises:
         TypeError: a cache whose storage grows (DynamicCache).
-        ValueError: a cache of another geometry than the first one it saw (another batch size
-            or length), a batch that changed without ``cache.reorder``, a full static cache, an
-            empty or partly filled cache, tokens not (B, 1).
+        ValueError: a cache (or inputs) of another geometry than the first one it saw (another
+            batch size or length; not with ``dynamic=True``), a batch that changed without
+            ``cache.reorder``, a full static cache, an empty or partly filled cache, tokens not
+            (B, 1).
     """
 
     def __init__(
@@ -95,6 +105,7 @@ class DecodeStep:
         mode: str | None = None,
         backend: str | Callable = "inductor",
         compile: bool = True,
+        dynamic: bool | None = False,
     ) -> None:
         # which cache layers the model writes: its config's, or its attention layers' indices
         self.own_step = hasattr(model, "forward_step")  # (else: model(tokens, cache=cache))
@@ -111,7 +122,7 @@ class DecodeStep:
                     f"MultiHeadAttention(..., layer_idx=i), or compile it yourself."
                 )
         self.model = model
-        self.mode, self.backend, self.compile = mode, backend, compile
+        self.mode, self.backend, self.compile, self.dynamic = mode, backend, compile, dynamic
         self.geometry: tuple | None = None  # (kind, batch, slots, dtype, device), on first call
         self._fn: Callable | None = None
         self._cuda_graphs = False
@@ -142,8 +153,14 @@ class DecodeStep:
         tokens: torch.Tensor,
         cache: Cache,
         position_ids: torch.Tensor | None = None,
+        **inputs,
     ) -> torch.Tensor:
-        self._check(tokens, cache, position_ids)
+        if inputs and self.own_step:
+            raise TypeError(
+                f"{type(self.model).__name__}.forward_step takes no other inputs; got "
+                f"{sorted(inputs)}."
+            )
+        self._check(tokens, cache, position_ids, inputs)
         # A view such as tokens[:, -1:] has the strides of its base, which grow every step, and
         # the graph is specialised to strides: hand it (B, 1) tensors of strides (1, 1).
         tokens = _dense(tokens)
@@ -160,7 +177,7 @@ class DecodeStep:
             else:
                 cache.stepping = True  # the layers write through cache.write_step
                 try:
-                    logits = self._fn(tokens, cache, position_ids)
+                    logits = self._fn(tokens, cache, position_ids, inputs)
                 finally:
                     cache.stepping = False
         cache.advance(1)
@@ -177,14 +194,16 @@ class DecodeStep:
         self._cuda_graphs = mode == "reduce-overhead" and device.type == "cuda"
         # dynamic=False: one graph specialised to this geometry (a CUDA graph needs fixed shapes,
         # and the CPU code is faster with constant sizes); fullgraph: a break would be a bug.
-        return torch.compile(fn, mode=mode, backend=self.backend, fullgraph=True, dynamic=False)
+        return torch.compile(
+            fn, mode=mode, backend=self.backend, fullgraph=True, dynamic=self.dynamic
+        )
 
-    def _call_model(self, tokens, cache, position_ids):
-        if position_ids is None:
-            return self.model(tokens, cache=cache)
-        return self.model(tokens, cache=cache, position_ids=position_ids)
+    def _call_model(self, tokens, cache, position_ids, inputs):
+        if position_ids is not None:
+            inputs = {**inputs, "position_ids": position_ids}
+        return self.model(tokens, cache=cache, **inputs)
 
-    def _check(self, tokens: torch.Tensor, cache: Cache, position_ids) -> None:
+    def _check(self, tokens: torch.Tensor, cache: Cache, position_ids, inputs) -> None:
         self.check_cache_kind(cache)
         num_layers = len(self.layers)
         lengths = {cache.get_seq_length(i) for i in self.layers}
@@ -225,10 +244,18 @@ class DecodeStep:
             )
         keys = cache.buffers(self.layers[0])[0]
         geometry = (type(cache).__name__, cache.batch_size, cache.capacity, keys.dtype, keys.device)
-        if self.geometry is None:
+        geometry += tuple(_shapes(inputs))
+        if self.dynamic is not False:  # sizes may change: torch.compile recompiles once for them
             self.geometry = geometry
+        elif self.geometry is None:
+            self.geometry = geometry
+        elif geometry[5:] != self.geometry[5:]:
+            raise ValueError(
+                f"this decode step was compiled for inputs of shapes {self.geometry[5:]}; got "
+                f"{geometry[5:]}. Fix: a new DecodeStep(model) for inputs of other shapes."
+            )
         elif geometry != self.geometry:
-            kind, batch, slots, dtype, device = self.geometry
+            kind, batch, slots, dtype, device = self.geometry[:5]
             raise ValueError(
                 f"this decode step was compiled for a {kind} of batch {batch} x {slots} slots "
                 f"({dtype}, {device}); got a {geometry[0]} of batch {geometry[1]} x "
@@ -238,11 +265,28 @@ class DecodeStep:
             )
 
 
+def _shapes(inputs: dict):
+    """(name, shape) of each tensor among the extra inputs, nested tuples opened (name.i.j)."""
+
+    def walk(name, x):
+        if isinstance(x, tuple | list):
+            for i, item in enumerate(x):
+                yield from walk(f"{name}.{i}", item)
+        else:
+            yield (name, tuple(x.shape) if isinstance(x, torch.Tensor) else x)
+
+    for name, x in sorted(inputs.items()):
+        yield from walk(name, x)
+
+
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` with the contiguous strides of its shape (also for size-1 dims, which
-    ``contiguous()`` leaves as they are)."""
+    ``contiguous()`` leaves as they are), and not a view: torch.compile guards on a view's
+    base too (its shape, and sizes that happen to be equal in it)."""
     dense, n = [], 1
     for size in reversed(t.shape):  # (B, 1) -> (1, 1); (B, 1, D) -> (D, D, 1)
         dense.insert(0, n)
         n *= max(size, 1)
-    return t if t.stride() == tuple(dense) else t.clone(memory_format=torch.contiguous_format)
+    if t.stride() == tuple(dense) and t._base is None:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)

@@ -43,11 +43,14 @@ def _time_dim(a: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def greedy(model, src, src_lengths, *, limits=None, return_attention=False) -> list[Hypothesis]:
+def greedy(
+    model, src, src_lengths, *, limits=None, return_attention=False, compile=False
+) -> list[Hypothesis]:
     """Pick the most likely token at every step. src (B, S) -> B hypotheses."""
     B = src.shape[0]
     limits = length_limits(src_lengths) if limits is None else limits
-    state = model.start(model.encode(src, src_lengths))
+    max_length = int(limits.max())
+    state = model.start(model.encode(src, src_lengths), max_length=max_length, compile=compile)
     tokens = torch.full((B,), BOS, dtype=torch.long, device=src.device)
     done = torch.zeros(B, dtype=torch.bool, device=src.device)
     ended_by_eos = torch.zeros(B, dtype=torch.bool, device=src.device)
@@ -90,15 +93,20 @@ def beam_search(
     limits=None,
     length_penalty: float = 0.6,
     return_attention: bool = False,
+    compile=False,
 ) -> list[Hypothesis]:
-    """Batched beam search. src (B, S) -> the best hypothesis of each sentence."""
+    """Batched beam search. src (B, S) -> the best hypothesis of each sentence.
+
+    ``compile``: the Transformer's decoder step compiled once and replayed (see
+    :meth:`TransformerSeq2Seq.start`); the same hypotheses as without.
+    """
     if beam_size < 1:
         raise ValueError(f"beam size must be >= 1, got {beam_size}")
     B, K, device = src.shape[0], beam_size, src.device
     limits = (length_limits(src_lengths) if limits is None else limits).tolist()
     memory = model.encode(src, src_lengths)
     rows = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,): hypothesis -> sentence
-    state = model.start(select_rows(memory, rows))
+    state = model.start(select_rows(memory, rows), max_length=max(limits), compile=compile)
     scores = torch.zeros(B, K, device=device)
     scores[:, 1:] = float("-inf")  # all K start identical: let only the first one expand
     tokens = torch.full((B * K,), BOS, dtype=torch.long, device=device)
@@ -177,10 +185,27 @@ def beam_search(
     return best
 
 
-def decode(model, src, src_lengths, *, beam_size=1, limits=None, return_attention=False, **kw):
-    """Greedy for ``beam_size == 1``, beam search otherwise."""
+def decode(
+    model,
+    src,
+    src_lengths,
+    *,
+    beam_size=1,
+    limits=None,
+    return_attention=False,
+    compile=False,
+    **kw,
+):
+    """Greedy for ``beam_size == 1``, beam search otherwise (``compile``: see beam_search)."""
     if beam_size == 1:
-        return greedy(model, src, src_lengths, limits=limits, return_attention=return_attention)
+        return greedy(
+            model,
+            src,
+            src_lengths,
+            limits=limits,
+            return_attention=return_attention,
+            compile=compile,
+        )
     return beam_search(
         model,
         src,
@@ -188,5 +213,6 @@ def decode(model, src, src_lengths, *, beam_size=1, limits=None, return_attentio
         beam_size=beam_size,
         limits=limits,
         return_attention=return_attention,
+        compile=compile,
         **kw,
     )

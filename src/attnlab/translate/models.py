@@ -5,7 +5,7 @@ Both models share one interface, which the decoders and the trainer rely on::
     logits = model(src, src_lengths, tgt_in)                        # teacher forcing
     logits, attn = model(src, src_lengths, tgt_in, return_attention=True)
     memory = model.encode(src, src_lengths)                         # dict of (B, ...) tensors
-    state = model.start(memory)
+    state = model.start(memory, max_length=limit, compile=False)   # compile: Transformer only
     logits, state, attn = model.step(tokens, state, return_attention=...)
     state = model.reorder(state, index)                             # beam search
 

@@ -459,7 +459,16 @@ def open_run(args):
     device = pick_device(args.device)
     read_run_config(args.run_dir)  # a run folder, not a model folder or a file
     torch.set_num_threads(args.threads or default_threads())
-    return load_run(args.run_dir, device=device)
+    translator = load_run(args.run_dir, device=device)
+    if getattr(args, "compile", False):
+        kind = translator.config["model"]["kind"]
+        if kind != "transformer":
+            raise ValueError(
+                f"--compile compiles a Transformer's decoder step (over its KV cache); "
+                f"{args.run_dir} is a {kind} run. Fix: leave --compile out."
+            )
+        translator.compile_decoding = True
+    return translator
 
 
 def default_threads() -> int:

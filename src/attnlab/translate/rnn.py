@@ -210,8 +210,17 @@ class RNNSeq2Seq(nn.Module):
         return (logits, weights) if return_attention else logits
 
     # ------------------------------------------------------------------------------ decoding
-    def start(self, memory: dict) -> dict:
-        """Decoder state before the first step: the memory plus the current GRU state."""
+    def start(self, memory: dict, *, max_length: int | None = None, compile=False) -> dict:
+        """Decoder state before the first step: the memory plus the current GRU state.
+
+        (``max_length`` is not needed: the state does not grow. ``compile`` is refused: a
+        compiled step is the Transformer's, whose KV cache it fixes in shape.)
+        """
+        if compile:
+            raise ValueError(
+                "compile=True compiles the Transformer's decoder step (over a fixed-shape KV "
+                "cache); this is an RNN, whose step is a GRU cell. Fix: compile=False."
+            )
         return dict(memory)
 
     def step(self, tokens: torch.Tensor, state: dict, *, return_attention: bool = False):

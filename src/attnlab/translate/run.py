@@ -162,7 +162,14 @@ class Translator:
     Args:
         run_dir: a folder written by ``attnlab train``.
         device: ``"cpu"`` or ``"cuda"``.
+
+    ``compile_decoding = True`` (a Transformer's run) decodes with the decoder step compiled
+    once and replayed (CUDA graphs on a GPU: see :meth:`TransformerSeq2Seq.start`); the same
+    translations. It pays where launches dominate a step (a GPU); on CPU the step was no faster
+    and compiling costs ~20 s (``benchmarks/bench_beam.py``).
     """
+
+    compile_decoding = False
 
     def __init__(self, run_dir: str | os.PathLike[str], device: str = "cpu"):
         self.run_dir = check_run_dir(run_dir)
@@ -271,6 +278,7 @@ class Translator:
                 limits=length_limits(lengths),
                 return_attention=return_attention,
                 length_penalty=lp,
+                compile=self.compile_decoding,
             )
             for i, hyp in zip(chunk, hyps, strict=True):
                 ids, spans = encoded[i]

@@ -145,12 +145,20 @@ class TransformerSeq2Seq(nn.Module):
         with torch.no_grad():
             self.embedding.weight[PAD].zero_()
 
-    def _embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, offset: int = 0, positions=None) -> torch.Tensor:
+        """Token embeddings plus position codes: of ``offset, offset + 1, ...``, or of
+        ``positions`` ((L,) long, on the device: a compiled step; codes grown beforehand)."""
         x = self.embedding(ids) * math.sqrt(self.d_model)  # (B, L, D)
-        end = offset + ids.shape[1]
-        if end > self.pe.shape[0]:
-            self.pe = sinusoids(max(end, 2 * self.pe.shape[0]), self.d_model, device=ids.device)
-        return self.drop(x + self.pe[offset:end])
+        if positions is not None:
+            return self.drop(x + self.pe.index_select(0, positions))
+        self._grow_positions(offset + ids.shape[1])
+        return self.drop(x + self.pe[offset : offset + ids.shape[1]])
+
+    def _grow_positions(self, length: int) -> None:
+        if length > self.pe.shape[0]:
+            self.pe = sinusoids(
+                max(length, 2 * self.pe.shape[0]), self.d_model, device=self.pe.device
+            )
 
     def encode(self, src: torch.Tensor, src_lengths: torch.Tensor) -> dict:
         """src (B, S) -> memory: ``mask`` (B, S) and each decoder layer's cross-attention k/v."""
@@ -183,13 +191,41 @@ class TransformerSeq2Seq(nn.Module):
         return (logits, attn) if return_attention else logits
 
     # ------------------------------------------------------------------------------ decoding
-    def start(self, memory: dict) -> dict:
-        from attnlab.cache import DynamicCache
+    def start(self, memory: dict, *, max_length: int | None = None, compile=False) -> dict:
+        """Decoder state before the first token: the memory, a KV cache and the position.
 
-        return {**memory, "cache": DynamicCache(), "pos": 0}
+        ``compile`` (True, or a dict of :class:`attnlab.models.DecodeStep` options): every step
+        after the first runs one compiled graph (on CUDA a CUDA graph) over a
+        ``StaticCache(max_length)``, with the memory as its inputs; compiled with symbolic
+        sizes (``dynamic=True``), so batches of other sizes and source lengths reuse it.
+        """
+        from attnlab.cache import DynamicCache, StaticCache
+
+        if not compile:
+            return {**memory, "cache": DynamicCache(), "pos": 0}
+        if max_length is None or max_length < 1:
+            raise ValueError(
+                f"a compiled decoder step needs the number of tokens to make room for, "
+                f"max_length >= 1; got {max_length}. Fix: start(memory, max_length=limit, "
+                f"compile=True)."
+            )
+        self._grow_positions(max_length)  # (not inside the graph)
+        options = {"dynamic": True, **(compile if isinstance(compile, dict) else {})}
+        key = tuple(sorted(options.items(), key=lambda kv: kv[0]))
+        steps = self.__dict__.setdefault("_decode_steps", {})  # (not a submodule: no state)
+        if key not in steps:  # one per options: the same graph serves every batch
+            from attnlab.models.decode import DecodeStep
+
+            steps[key] = DecodeStep(StepDecoder(self), **options)
+        return {**memory, "cache": StaticCache(max_length), "pos": 0, "step": steps[key]}
 
     def step(self, tokens: torch.Tensor, state: dict, *, return_attention: bool = False):
         """One token per row: tokens (N,) -> logits (N, V), state, attention (N, N_l, H, S)."""
+        compiled = state.get("step")
+        if compiled is not None and state["pos"] > 0 and not return_attention:
+            kv = tuple((state[f"k{i}"], state[f"v{i}"]) for i in range(len(self.decoder)))
+            logits = compiled(tokens[:, None], state["cache"], mask=state["mask"], kv=kv)
+            return logits[:, 0], {**state, "pos": state["pos"] + 1}, None
         y = self._embed(tokens[:, None], offset=state["pos"])  # (N, 1, D)
         logits, attn = self._decode(
             y, state, cache=state["cache"], return_attention=return_attention
@@ -210,3 +246,23 @@ class TransformerSeq2Seq(nn.Module):
             else:
                 out[k] = v
         return out
+
+
+class StepDecoder(nn.Module):
+    """A :class:`TransformerSeq2Seq`'s decoder as :class:`attnlab.models.DecodeStep` calls it.
+
+    ``forward(tokens (N, 1), cache=, mask= (N, S), kv= ((k, v) per layer))`` -> logits
+    (N, 1, V). The token's position comes from the cache (``next_position``, on the device), so
+    no Python int changes from step to step and one graph serves them all.
+    """
+
+    def __init__(self, seq2seq: TransformerSeq2Seq) -> None:
+        super().__init__()
+        self.seq2seq = seq2seq
+
+    def forward(self, tokens, cache, *, mask, kv):
+        m = self.seq2seq
+        y = m._embed(tokens, positions=cache.next_position(0))  # (N, 1, D)
+        for layer, layer_kv in zip(m.decoder, kv, strict=True):
+            y, _ = layer(y, layer_kv, mask, cache=cache)
+        return m.out(m.dec_norm(y))  # (N, 1, V)
