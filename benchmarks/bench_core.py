@@ -258,11 +258,12 @@ def bench_flash(rounds: int, quick: bool) -> None:
     header("attnlab.kernels.cpu_flash vs torch SDPA, forward+backward (bf16 target <= 0.5)")
     shapes = SDPA_SHAPES[1:2] if quick else SDPA_SHAPES
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        if dtype != torch.float32:  # what the dispatch picks for 16-bit training, and why
-            pick = choice.training_16bit(dtype, 64, 64)
-            print(f"dispatch for {dtype} training: {'cpu_flash' if pick.blocked else 'torch'} "
-                  f"({pick.why})")  # fmt: skip
         for shape in shapes:
+            if dtype != torch.float32:  # what the dispatch picks for 16-bit training, and why
+                E, L = shape[3], shape[2]
+                pick = choice.training_16bit(dtype, E, E, L, L)
+                print(f"dispatch for {dtype} training at L={L}: "
+                      f"{'cpu_flash' if pick.blocked else 'torch'} ({pick.why})")  # fmt: skip
             q, k, v = sdpa_inputs(shape, dtype)
             big = shape[2] >= 4096
             stats = round_robin(

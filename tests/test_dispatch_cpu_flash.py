@@ -48,8 +48,8 @@ def test_16_bit_training_takes_the_kernel_set_inference_keeps_torchs(dtype, monk
 def test_16_bit_training_takes_the_kernel_measured_faster_once(ratio, path, monkeypatch):
     calls = []
 
-    def timed(dtype, E, Ev):
-        calls.append((dtype, E, Ev))
+    def timed(dtype, E, Ev, n):
+        calls.append((dtype, E, Ev, n))
         return ratio
 
     monkeypatch.delenv(choice.ENV, raising=False)
@@ -61,19 +61,29 @@ def test_16_bit_training_takes_the_kernel_measured_faster_once(ratio, path, monk
             d = AF.explain(q, k, v)
             assert d.path == path and f"x{ratio:.2f} torch's" in str(d), d
         out = AF.scaled_dot_product_attention(q, k, v)
-        assert calls == [(torch.bfloat16, 16, 8)]  # once per process and head sizes
+        assert calls == [(torch.bfloat16, 16, 8, 64)]  # once per head sizes and length class
         AF.explain(*qkv(torch.float16, grad=True))
-        assert calls[-1] == (torch.float16, 16, 8) and len(calls) == 2
+        assert calls[-1] == (torch.float16, 16, 8, 64) and len(calls) == 2
+        long_q = torch.randn(2, 4, 300, 16, dtype=torch.bfloat16, requires_grad=True)
+        AF.explain(long_q, k, v)  # L = 300: the class of 512
+        assert calls[-1] == (torch.bfloat16, 16, 8, 512) and len(calls) == 3
     finally:
         choice._measured.cache_clear()
     want = sdpa._eager(q.double(), k.double(), v.double(), None, None, 16**-0.5, 0.0)[0]
     torch.testing.assert_close(out.float(), want.float(), rtol=0.05, atol=0.05)
 
 
+def test_length_classes_are_powers_of_two_from_64_to_1024():
+    got = [choice.length_class(L, S) for L, S in ((1, 1), (65, 3), (128, 128), (5, 129), (4096, 1))]
+    assert got == [64, 128, 128, 256, 1024]
+    assert choice.probe_shape(64, 32) == (1, 256, 64, 32)
+    assert choice.probe_shape(1024, 64) == (1, 1, 1024, 64)
+
+
 def test_the_measurement_times_both_kernels_and_leaves_the_process_as_it_was():
     state = torch.get_rng_state()
     with torch.no_grad():
-        ratio = choice.measure(torch.bfloat16, 16, 8, rounds=1)
+        ratio = choice.measure(torch.bfloat16, 16, 8, 64, rounds=1)
         assert not torch.is_grad_enabled()
     assert 0 < ratio < float("inf")
     assert torch.equal(torch.get_rng_state(), state)  # the probe drew from its own generator

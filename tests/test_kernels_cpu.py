@@ -259,3 +259,58 @@ def test_dropout_blocks_draw_different_masks(blocks):
     q = torch.zeros_like(q)  # every weight 1/12: the kept pattern is all there is
     z = dropped_weights(q, k, p=0.5) != 0
     assert not torch.equal(z[..., :3, :], z[..., 3:6, :])
+
+
+def test_blocks_run_once_each_on_the_caller_and_a_pool_that_outlives_the_call(monkeypatch):
+    import threading
+
+    from attnlab.kernels import _threads
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # (this process's count)
+    done, pools = [], []
+    for _ in range(2):
+
+        def work(task, scratch):
+            scratch.setdefault("mine", threading.current_thread().name)
+            done.append((task, threading.current_thread().name, scratch["mine"]))
+            threading.Event().wait(0.002)  # blocks long enough for both threads to take some
+
+        _threads.in_threads(list(range(12)), work)
+        pools.append(_threads._POOL[2])
+    assert sorted(t for t, _, _ in done) == sorted(list(range(12)) * 2)  # each once per call
+    names = {name for _, name, _ in done}
+    assert threading.current_thread().name in names  # the caller works too
+    assert any(n.startswith("attnlab-kernel") for n in names)
+    assert all(name == mine for _, name, mine in done)  # one scratch per thread
+    assert pools[0] is pools[1]  # the same pool served both calls
+
+
+def test_a_forked_child_runs_the_kernel_on_threads_of_its_own():
+    """A fork copies the pool object but none of its threads: the child must not queue its
+    blocks to threads that do not exist (it would wait forever)."""
+    import multiprocessing as mp
+
+    from attnlab.kernels import _threads
+
+    q, k, v = inputs(2, 4, 2, 40, 40, 8, 8)
+    outer = torch.get_num_threads()
+    try:
+        want = _many_blocks(q, k, v)  # the parent's pool now exists
+        assert _threads._POOL is not None
+    finally:
+        torch.set_num_threads(outer)
+    with mp.get_context("fork").Pool(1) as pool:
+        got = pool.apply_async(_many_blocks, (q, k, v)).get(timeout=120)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _many_blocks(q, k, v):
+    """The kernel on 2 threads with blocks of one kv head x 3 rows (many blocks)."""
+    torch.set_num_threads(2)
+    rows, size = cf.BLOCK_ROWS, cf.BLOCK_BYTES
+    cf.BLOCK_ROWS, cf.BLOCK_BYTES = 3, 1
+    try:
+        return flash_attention(q, k, v, None, None, 0.3, 0.0)
+    finally:
+        cf.BLOCK_ROWS, cf.BLOCK_BYTES = rows, size

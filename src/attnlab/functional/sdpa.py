@@ -186,7 +186,8 @@ def _choose(
             return Dispatch("eager", (said, f"attnlab's blocked kernel does not serve: {unfit}"))
         if unfit is None:
             Ev = query.shape[-1] if value is None else value.shape[-1]
-            choice = kernels.training_16bit(query.dtype, query.shape[-1], Ev)
+            L, S = query.shape[-2], key.shape[-2]
+            choice = kernels.training_16bit(query.dtype, query.shape[-1], Ev, L, S)
             said = f"{query.dtype} with autograd on CPU: the faster kernel here ({choice.why})"
             if choice.blocked:
                 return Dispatch("cpu_flash", (said, kernels.describe(query, key, value, alignment)))

@@ -4,9 +4,9 @@
   and backward, with dropout inside the blocks: ``flash_attention(q, k, v, mask, alignment,
   scale, dropout_p, generator=None)``, ``supports(q, k, v, mask, dropout_p)`` (None, or why
   not) and ``describe(q, k, v, alignment)`` (the tiling in one line, for ``explain()``).
-  :mod:`attnlab.kernels.choice` -- ``training_16bit(dtype, E, Ev)``: whether it or torch's
-  kernel trains 16-bit attention faster on this CPU (measured once per process, or set by
-  ``ATTNLAB_CPU_TRAINING_KERNEL``).
+  :mod:`attnlab.kernels.choice` -- ``training_16bit(dtype, E, Ev, L, S)``: whether it or
+  torch's kernel trains 16-bit attention faster on this CPU at this length (measured once per
+  process and length class, or set by ``ATTNLAB_CPU_TRAINING_KERNEL``).
 
 * Triton kernels (GPU; on CPU tensors through Triton's interpreter under ``TRITON_INTERPRET=1``,
   see :mod:`attnlab.kernels._triton`), imported only when they run:

@@ -1,13 +1,22 @@
 """Which kernel trains 16-bit attention faster on this CPU: torch's or attnlab's blocked one.
 
-The answer depends on the CPU. ``benchmarks/bench_core.py --only flash --threads 1``, bf16
-forward+backward at (4, 8, 1024, 64), the blocked kernel's time over torch's: x0.22 on an AVX2
-machine (torch's bf16 backward there is 5x its float32 one), x1.17 on an AVX512-BF16 one (AMD
-Zen 4, where torch's bf16 is faster than its float32). A rule from CPU flags would be a guess, so
-the dispatch measures: once per process for each (dtype, head sizes, thread count), both kernels
-run forward+backward on a small probe, (1, 4, 512, E) queries and keys, round-robin, and the
-faster serves every later call. The probe draws from its own generator (the global RNG is left as
-it was) and takes ~0.1-1 s once.
+The answer depends on the CPU and on the sequence length. The blocked kernel's forward+backward
+time over torch's (``python -c`` over :func:`measure`, 1 thread), on an AMD Zen 4 (AVX512-BF16):
+
+==========  ======  ======  ======  ======  ======
+L = S        32      128     256     512     1024
+==========  ======  ======  ======  ======  ======
+bfloat16    x0.53   x0.48   x0.74   x0.91   x1.11
+float16     x0.47   x0.29   x0.22   x0.19   x0.15
+==========  ======  ======  ======  ======  ======
+
+and on an AVX2 machine x0.22 in bfloat16 at L = 1024 (torch's bf16 backward there is 5x its
+float32 one). A rule from CPU flags would be a guess, so the dispatch measures: once per process
+for each (dtype, head sizes, length class, thread count), both kernels run forward+backward on a
+probe of that length class (``max(L, S)`` rounded up to a power of two in 64..1024, about 2^20
+scores: (1, 2^20 / n^2, n, E)), round-robin, and the faster serves every later call of the
+class. The probe draws from its own generator (the global RNG is left as it was) and takes
+~0.1-1 s once.
 
 ``ATTNLAB_CPU_TRAINING_KERNEL`` decides instead of measuring: ``attnlab`` (the blocked kernel),
 ``torch`` (torch's fused kernel) or ``measure`` (the default). Both kernels compute the same
@@ -28,7 +37,8 @@ from attnlab.kernels.cpu_flash import flash_attention
 
 ENV = "ATTNLAB_CPU_TRAINING_KERNEL"
 SETTINGS = ("measure", "attnlab", "torch")
-PROBE = (1, 4, 512)  # (B, H, L = S) of the probe; E and Ev are the call's
+LENGTHS = (64, 1024)  # the length classes: powers of two from the first to the last
+SCORES = 2**20  # scores per probe call (heads x n x n)
 ROUNDS = 3  # timed rounds of each kernel after one warm-up round; the best of each is compared
 
 
@@ -40,8 +50,15 @@ class Choice:
     why: str
 
 
-def training_16bit(dtype: torch.dtype, E: int, Ev: int) -> Choice:
-    """The kernel for 16-bit attention with autograd on CPU (no dropout): set, or measured once."""
+def length_class(L: int, S: int) -> int:
+    """``max(L, S)`` rounded up to a power of two, clamped to ``LENGTHS``."""
+    n = 1 << max(0, max(L, S) - 1).bit_length()
+    return min(max(n, LENGTHS[0]), LENGTHS[1])
+
+
+def training_16bit(dtype: torch.dtype, E: int, Ev: int, L: int, S: int) -> Choice:
+    """The kernel for 16-bit attention with autograd on CPU (no dropout): set, or measured once
+    per length class."""
     setting = os.environ.get(ENV, "measure")
     if setting not in SETTINGS:
         raise ValueError(
@@ -50,24 +67,29 @@ def training_16bit(dtype: torch.dtype, E: int, Ev: int) -> Choice:
         )
     if setting != "measure":
         return Choice(setting == "attnlab", f"{ENV}={setting}")
-    return _measured(dtype, E, Ev, torch.get_num_threads())
+    return _measured(dtype, E, Ev, length_class(L, S), torch.get_num_threads())
 
 
 @functools.cache
-def _measured(dtype: torch.dtype, E: int, Ev: int, threads: int) -> Choice:
-    ratio = measure(dtype, E, Ev)
-    B, H, L = PROBE
+def _measured(dtype: torch.dtype, E: int, Ev: int, n: int, threads: int) -> Choice:
+    ratio = measure(dtype, E, Ev, n)
     said = (
         f"measured once in this process: attnlab's blocked kernel takes x{ratio:.2f} torch's "
-        f"forward+backward time at ({B}, {H}, {L}, {E}) {str(dtype).removeprefix('torch.')}, "
+        f"forward+backward time at {probe_shape(n, E)} {str(dtype).removeprefix('torch.')}, "
         f"{threads} thread(s)"
     )
     return Choice(ratio < 1.0, said)
 
 
-def measure(dtype: torch.dtype, E: int, Ev: int, rounds: int = ROUNDS) -> float:
-    """attnlab's blocked kernel's forward+backward time over torch's, best of ``rounds`` each."""
-    B, H, L = PROBE
+def probe_shape(n: int, E: int) -> tuple[int, int, int, int]:
+    """(B, H, L = S, E) of the probe of length class ``n``."""
+    return (1, max(1, SCORES // (n * n)), n, E)
+
+
+def measure(dtype: torch.dtype, E: int, Ev: int, n: int = 512, rounds: int = ROUNDS) -> float:
+    """attnlab's blocked kernel's forward+backward time over torch's at length ``n``, best of
+    ``rounds`` each."""
+    B, H, L, _ = probe_shape(n, E)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, H, L, d, generator=g).to(dtype) for d in (E, E, Ev))
     dout = torch.randn(B, H, L, Ev, generator=g).to(dtype)
