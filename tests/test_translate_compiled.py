@@ -114,6 +114,21 @@ def test_compiled_beam_search_keeps_attention_maps_on_request():
         torch.testing.assert_close(x.attention, y.attention, rtol=0, atol=1e-6)
 
 
+def test_a_model_that_decoded_compiled_still_pickles_and_copies():
+    import copy
+    import io
+
+    model = model_of()
+    src, lengths = batch(2, 5, 9)
+    want = greedy(model, src, lengths, compile={"backend": Graphs()})
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # (the compiled steps are not part of the model's state)
+    buffer.seek(0)
+    again = torch.load(buffer, weights_only=False)
+    same(greedy(again, src, lengths), want)
+    same(greedy(copy.deepcopy(model), src, lengths), want)
+
+
 def test_compiled_decoding_through_inductor():
     model = model_of("gqa", seed=1)
     for B, S, seed in ((2, 6, 5), (4, 9, 6)):

@@ -190,6 +190,12 @@ class TransformerSeq2Seq(nn.Module):
         logits, attn = self._decode(self._embed(tgt_in), memory, return_attention=return_attention)
         return (logits, attn) if return_attention else logits
 
+    def __getstate__(self) -> dict:
+        """Pickled (torch.save, deepcopy) without its compiled decoder steps: they are code."""
+        state = dict(self.__dict__)
+        state.pop("_decode_steps", None)
+        return state
+
     # ------------------------------------------------------------------------------ decoding
     def start(self, memory: dict, *, max_length: int | None = None, compile=False) -> dict:
         """Decoder state before the first token: the memory, a KV cache and the position.
