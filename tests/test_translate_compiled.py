@@ -148,6 +148,17 @@ def test_attention_compiles_with_symbolic_sizes_and_grouped_heads():
         torch.testing.assert_close(fn(q, k, v), want, rtol=0, atol=1e-6)
 
 
+def test_compiled_state_rounds_cache_and_source_up_to_a_bucket():
+    """(A CUDA graph is recorded per geometry: rounding keeps them few.)"""
+    model = model_of()
+    memory = model.encode(*batch(2, 5, 7))
+    state = model.start(memory, max_length=17, compile={"backend": Graphs()})
+    assert state["cache"].max_length == 32 and state["source_length"] == 5
+    assert state["mask"].shape == (2, 16) and not state["mask"][:, 5:].any()
+    assert state["k0"].shape[2] == 16 and state["k0"][:, :, 5:].abs().max() == 0
+    torch.testing.assert_close(state["v1"][:, :, :5], memory["v1"], rtol=0, atol=0)
+
+
 def test_misuse_is_refused_with_the_fix():
     model = model_of()
     memory = model.encode(*batch(2, 5, 7))

@@ -23,10 +23,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attnlab.translate.batching import source_mask
 from attnlab.translate.tokenizer import PAD
+
+BUCKET = 16  # compiled decoding: cache and source lengths rounded up to a multiple of this
 
 
 def sinusoids(length: int, dim: int, offset: int = 0, device=None) -> torch.Tensor:
@@ -203,7 +206,9 @@ class TransformerSeq2Seq(nn.Module):
         ``compile`` (True, or a dict of :class:`attnlab.models.DecodeStep` options): every step
         after the first runs one compiled graph (on CUDA a CUDA graph) over a
         ``StaticCache(max_length)``, with the memory as its inputs; compiled with symbolic
-        sizes (``dynamic=True``), so batches of other sizes and source lengths reuse it.
+        sizes (``dynamic=True``), so batches of other sizes and source lengths reuse it. The
+        cache's length and the source (masked) are rounded up to a multiple of ``BUCKET``:
+        a CUDA graph is recorded per geometry, and this keeps them few.
         """
         from attnlab.cache import DynamicCache, StaticCache
 
@@ -215,6 +220,7 @@ class TransformerSeq2Seq(nn.Module):
                 f"max_length >= 1; got {max_length}. Fix: start(memory, max_length=limit, "
                 f"compile=True)."
             )
+        max_length = -(-max_length // BUCKET) * BUCKET
         self._grow_positions(max_length)  # (not inside the graph)
         options = {"dynamic": True, **(compile if isinstance(compile, dict) else {})}
         key = tuple(sorted(options.items(), key=lambda kv: kv[0]))
@@ -223,7 +229,12 @@ class TransformerSeq2Seq(nn.Module):
             from attnlab.models.decode import DecodeStep
 
             steps[key] = DecodeStep(StepDecoder(self), **options)
-        return {**memory, "cache": StaticCache(max_length), "pos": 0, "step": steps[key]}
+        S = memory["mask"].shape[1]
+        pad = -S % BUCKET  # masked source slots: exactly zero weight, the same output
+        padded = {k: F.pad(v, (0, 0, 0, pad)) for k, v in memory.items() if k != "mask"}
+        padded["mask"] = F.pad(memory["mask"], (0, pad), value=False)
+        state = {**memory, **padded, "source_length": S}
+        return {**state, "cache": StaticCache(max_length), "pos": 0, "step": steps[key]}
 
     def step(self, tokens: torch.Tensor, state: dict, *, return_attention: bool = False):
         """One token per row: tokens (N,) -> logits (N, V), state, attention (N, N_l, H, S)."""
@@ -238,7 +249,9 @@ class TransformerSeq2Seq(nn.Module):
         )
         new_state = dict(state)
         new_state["pos"] = state["pos"] + 1
-        return logits[:, 0], new_state, (attn[:, :, :, 0] if attn is not None else None)
+        if attn is not None:  # (N, N_l, H, 1, S): the real source only (see start)
+            attn = attn[:, :, :, 0, : state.get("source_length", attn.shape[-1])]
+        return logits[:, 0], new_state, attn
 
     @staticmethod
     def reorder(state: dict, index: torch.Tensor) -> dict:
