@@ -48,7 +48,7 @@ def add_run_arguments(parser) -> None:
         "--compile",
         action="store_true",
         help="Transformer runs: compile the decoder step once and replay it (CUDA graphs on a "
-        "GPU; same translations; on CPU compiling costs ~20 s and is not faster)",
+        "GPU; same translations; on CPU it is slower, and compiling costs ~20 s)",
     )
 
 

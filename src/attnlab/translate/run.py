@@ -165,8 +165,8 @@ class Translator:
 
     ``compile_decoding = True`` (a Transformer's run) decodes with the decoder step compiled
     once and replayed (CUDA graphs on a GPU: see :meth:`TransformerSeq2Seq.start`); the same
-    translations. It pays where launches dominate a step (a GPU); on CPU the step was no faster
-    and compiling costs ~20 s (``benchmarks/bench_beam.py``).
+    translations. It is for where launches dominate a step (a GPU); on CPU decoding was 1.05-1.3x
+    slower and compiling costs ~20 s (``benchmarks/bench_beam.py``).
     """
 
     compile_decoding = False
