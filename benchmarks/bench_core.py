@@ -296,6 +296,18 @@ def bench_flash(rounds: int, quick: bool) -> None:
             ratio_line(f"dropout {name}: vs attnlab without", stats, "flash", "attnlab-no-dropout")
         )
 
+    # inside torch.compile graphs: attnlab's dispatch puts the kernel in as an operator; torch's
+    # compiled dropout is its math path, fused by inductor
+    q, k, v = sdpa_inputs(DROPOUT_SHAPE, torch.float32)
+    ours = torch.compile(lambda q, k, v: AF.scaled_dot_product_attention(q, k, v, dropout_p=0.1))
+    theirs = torch.compile(lambda q, k, v: torch_sdpa(q, k, v, 0.1))
+    stats = round_robin(
+        {"attnlab": lambda: fwd_bwd(ours)(q, k, v), "torch": lambda: fwd_bwd(theirs)(q, k, v)},
+        rounds=max(2, rounds // 2),
+        warmup=2,  # (compiles)
+    )
+    print(ratio_line("dropout float32 under torch.compile", stats, "attnlab", "torch"))
+
     here = str(Path(__file__).resolve())
     for name in ("fp32", "bf16"):
         peaks = {

@@ -137,3 +137,81 @@ def test_compiled_calls_keep_torchs_ops():
     fn = torch.compile(lambda q, k, v: AF.scaled_dot_product_attention(q, k, v), fullgraph=True)
     out = fn(q, k, v)
     torch.testing.assert_close(out, AF.scaled_dot_product_attention(q, k, v), rtol=0.02, atol=0.02)
+
+
+class Graphs:
+    """A torch.compile backend that keeps the graphs it is given (then runs aot_eager)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    def targets(self):
+        return {str(n.target) for gm in self.graphs for n in gm.graph.nodes}
+
+
+def test_compiled_dropout_runs_the_kernel_as_an_operator_with_the_eager_masks():
+    """Under torch.compile, dropout takes the blocked kernel as attnlab::cpu_flash (not torch's
+    math path); with aot_eager the graph draws the seed from torch's generator as eager does,
+    so outputs and gradients equal the eager call's exactly."""
+    q, k, v = qkv(grad=True)
+    mask = torch.rand(2, 1, 33, 40, generator=torch.Generator().manual_seed(5)) > 0.3
+
+    def attend(q, k, v):
+        return AF.scaled_dot_product_attention(q, k, v, mask, dropout_p=0.25, is_causal="top_left")
+
+    torch._dynamo.reset()
+    graphs = Graphs()
+    compiled = torch.compile(attend, fullgraph=True, backend=graphs)
+    results = []
+    for fn in (attend, compiled):
+        torch.manual_seed(11)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.square().sum().backward()
+        results.append((out.detach(), *(t.grad for t in leaves)))
+    assert "attnlab.cpu_flash.default" in graphs.targets()
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(results[0][0], attend(q, k, v))  # (dropout was applied)
+    torch._dynamo.reset()
+
+
+def test_compiled_dropout_through_inductor_keeps_the_mean_and_the_seed():
+    q, k, v = qkv()
+    torch._dynamo.reset()
+    fn = torch.compile(
+        lambda q, k, v: AF.scaled_dot_product_attention(q, k, v, dropout_p=0.3), fullgraph=True
+    )
+    torch.manual_seed(3)
+    a = fn(q, k, v)
+    torch.manual_seed(3)
+    torch.testing.assert_close(fn(q, k, v), a, rtol=0, atol=0)  # reproducible under the seed
+    torch.manual_seed(4)
+    mean = torch.stack([fn(q, k, v) for _ in range(200)]).mean(0)
+    want = AF.scaled_dot_product_attention(q, k, v)
+    assert (mean - want).abs().mean() < 0.05 * want.abs().mean()
+    torch._dynamo.reset()
+
+
+def test_the_kernel_operators_pass_torchs_operator_checks():
+    q, k, v = qkv(grad=True)
+    mask = torch.rand(2, 1, 33, 40, generator=torch.Generator().manual_seed(6)) > 0.3
+    seed = torch.tensor(123)
+    op = torch.ops.attnlab.cpu_flash.default
+    torch.library.opcheck(op, (q, k, v, mask, None, 0.25, 0.2, seed))
+    torch.library.opcheck(op, (q, k, v, None, "bottom_right", 0.25, 0.0, seed))
+
+
+def test_an_exported_program_keeps_torchs_ops_for_dropout():
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return AF.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+    program = torch.export.export(Attend(), tuple(qkv()))
+    assert "attnlab" not in str(program.graph)

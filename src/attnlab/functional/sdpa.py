@@ -18,7 +18,8 @@
 * **cpu_flash** -- attnlab's blocked CPU kernel (:mod:`attnlab.kernels.cpu_flash`), where
   torch's CPU kernel falls short: dropout (torch's has none and falls back to its math path)
   and 16-bit training where the blocked kernel is faster on this CPU (measured once per
-  process: :mod:`attnlab.kernels.choice`).
+  process: :mod:`attnlab.kernels.choice`). Inside a ``torch.compile`` graph, dropout takes it
+  too, as the operator ``attnlab::cpu_flash`` (a ``torch.export`` keeps torch's ops).
 * **eager** -- the readable formula ``masked_softmax(Q K^T * scale) V``: weights with dropout,
   16-bit weights that need gradients, and what the blocked kernel does not take.
 
@@ -87,6 +88,12 @@ _FUSED = Dispatch("fused", ("torch F.scaled_dot_product_attention",))
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _exporting() -> bool:
+    """Whether torch.export is tracing (torch >= 2.6 says so; before, never)."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(is_exporting and is_exporting())
 
 
 def _trains_16bit(query, key, value) -> bool:
@@ -170,12 +177,15 @@ def _choose(
         # Measured in benchmarks/bench_core.py (--only flash): the blocked kernel runs dropout
         # at 0.5-0.67x torch's time and 1/4 its memory; torch stays faster in float32 without
         # dropout (kernel 1.1-1.5x), so it keeps those. Which trains 16-bit attention faster
-        # depends on the CPU: measured once per process (attnlab.kernels.choice).
-        unfit = (
-            "under torch.compile (its graph keeps torch's ops)"
-            if torch.compiler.is_compiling()
-            else kernels.supports(query, key, value, attn_mask, dropout_p)
-        )
+        # depends on the CPU: measured once per process (attnlab.kernels.choice). A compiled
+        # graph holds the kernel as an operator (attnlab::cpu_flash) for dropout; 16-bit
+        # training keeps torch's ops there (the measurement cannot run inside a trace), and an
+        # exported program keeps torch's ops (it must load without attnlab).
+        unfit = kernels.supports(query, key, value, attn_mask, dropout_p)
+        if _exporting():
+            unfit = "under torch.export (an exported program keeps torch's ops)"
+        elif torch.compiler.is_compiling() and dropout_p == 0:
+            unfit = "under torch.compile (16-bit training keeps torch's ops in a graph)"
         if dropout_p > 0:
             said = (
                 "dropout_p > 0 on CPU: torch's fused CPU kernel has no dropout (its math path "

@@ -92,10 +92,12 @@ def describe(q, k, v, alignment) -> str:
     """The tiling of a call in one line (for ``explain()``)."""
     plan = _Plan(q, k, v, None, alignment, 1.0, 0.0, 0)
     products = "bfloat16" if plan.mm_dtype == torch.bfloat16 else "float32"
+    # (a trace cannot read the thread count: the graph runs with the caller's)
+    threads = "the caller's" if torch.compiler.is_compiling() else torch.get_num_threads()
     return (
         f"blocked CPU kernel: {plan.batches} batch row(s) x {plan.heads} kv head(s) x "
         f"{plan.G}*{plan.rows} query rows x every visible key per block, {products} products, "
-        f"{torch.get_num_threads()} thread(s); saves the row log-sum-exp, not the weights"
+        f"{threads} thread(s); saves the row log-sum-exp, not the weights"
     )
 
 
@@ -113,10 +115,33 @@ def flash_attention(q, k, v, mask, alignment, scale, dropout_p, generator=None):
 
     Rows with no attendable key give output 0 and zero gradients. Differentiable in q, k, v.
     """
-    seed = 0
-    if dropout_p > 0:
-        seed = int(torch.randint(2**62, (), generator=generator))
-    return _FlashAttention.apply(q, k, v, mask, alignment, float(scale), float(dropout_p), seed)
+    scale, dropout_p = float(scale), float(dropout_p)
+    if torch.compiler.is_compiling():  # the operator: a node of the graph
+        if dropout_p > 0:
+            seed = torch.randint(2**62, (), generator=generator)
+        else:
+            seed = torch.zeros((), dtype=torch.int64)
+        return _flash_op(q, k, v, mask, alignment, scale, dropout_p, seed)[0]
+    seed = int(torch.randint(2**62, (), generator=generator)) if dropout_p > 0 else 0
+    return _FlashAttention.apply(q, k, v, mask, alignment, scale, dropout_p, seed)
+
+
+class _FlashAttention(torch.autograd.Function):
+    """The eager path (the operator's dispatch and autograd wrapper cost ~0.3 ms a call)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, alignment, scale, dropout_p, seed):
+        out, lse = _forward(q, k, v, mask, alignment, scale, dropout_p, seed)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.args = (alignment, scale, dropout_p, seed)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        grads = _backward(dout, q, k, v, out, lse, mask, *ctx.args)
+        return (*grads, None, None, None, None, None)
 
 
 class _Plan:
@@ -305,46 +330,103 @@ def _mask5(mask, plan):
     return ~mask if mask.dtype == torch.bool else mask
 
 
-class _FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, mask, alignment, scale, dropout_p, seed):
-        plan = _Plan(q, k, v, mask, alignment, scale, dropout_p, seed)
-        plan.load(q, k, v)
-        B, Hkv, G, L = plan.B, plan.Hkv, plan.G, plan.L
-        out = q.new_empty(B, Hkv, G, L, plan.Ev)
-        lse = torch.full((B, Hkv, G, L), inf, dtype=plan.dtype)  # base 2 here; +inf: dead row
-        blocks = [(bs, js, b) for bs, js, rows in plan.groups() for b in rows]
-        in_threads(blocks, lambda task, scratch: plan.forward_block(task, out, lse, scratch))
-        out = out.view(B, plan.H, L, plan.Ev)
-        lse = lse.mul_(LN2).view(B, plan.H, L)  # natural log: the row log-sum-exp of the scores
-        plan.q = plan.k = plan.v = None  # the backward reloads from the saved inputs
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan  # (and its mask: the caller's bias, or its bool mask inverted)
-        return out
+def _forward(q, k, v, mask, alignment, scale, dropout_p, seed):
+    """(out (B, H, L, Ev), lse (B, H, L)): the blocks of the forward, on the kernel's threads."""
+    plan = _Plan(q, k, v, mask, alignment, scale, dropout_p, seed)
+    plan.load(q, k, v)
+    B, Hkv, G, L = plan.B, plan.Hkv, plan.G, plan.L
+    out = q.new_empty(B, Hkv, G, L, plan.Ev)
+    lse = torch.full((B, Hkv, G, L), inf, dtype=plan.dtype)  # base 2 here; +inf: dead row
+    blocks = [(bs, js, b) for bs, js, rows in plan.groups() for b in rows]
+    in_threads(blocks, lambda task, scratch: plan.forward_block(task, out, lse, scratch))
+    # natural log: the row log-sum-exp of the scores
+    return out.view(B, plan.H, L, plan.Ev), lse.mul_(LN2).view(B, plan.H, L)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan = ctx.plan
-        plan.load(q, k, v)
-        B, Hkv, G, L, S, E, Ev = plan.B, plan.Hkv, plan.G, plan.L, plan.S, plan.E, plan.Ev
-        acc = plan.dtype
-        lse2 = (lse * LOG2E).view(B, Hkv, G, L)
-        do = dout.to(plan.mm_dtype).reshape(B, Hkv, G, L, Ev)  # (B, H, L, Ev) -> 5-D
-        D = (do.to(acc) * out.to(acc).view(B, Hkv, G, L, Ev)).sum(-1)  # rowsum(dO * O)
-        D.mul_(1.0 - plan.p)  # (see backward_group)
-        dq = torch.empty(B, Hkv, G, L, E, dtype=acc)
-        dk = torch.zeros(B, Hkv, S, E, dtype=acc)
-        dv = torch.zeros(B, Hkv, S, Ev, dtype=acc)
-        in_threads(  # one thread per group of kv heads: dK, dV are summed over row blocks
-            plan.groups(),
-            lambda g, scratch: plan.backward_group(g, do, D, lse2, dq, dk, dv, scratch),
-        )
-        plan.q = plan.k = plan.v = None
-        return (
-            dq.view(B, plan.H, L, E).to(q.dtype),
-            dk.mul_(LN2 / (1.0 - plan.p)).to(k.dtype),  # qb carried log2(e): take it back out
-            dv.mul_(1.0 / (1.0 - plan.p)).to(v.dtype),
-            None, None, None, None, None,
-        )  # fmt: skip
+
+def _backward(dout, q, k, v, out, lse, mask, alignment, scale, dropout_p, seed):
+    """(dq, dk, dv): the plan rebuilt from the same arguments (the same blocks, the same
+    dropout draws), each block's weights recomputed from ``lse``."""
+    plan = _Plan(q, k, v, mask, alignment, scale, dropout_p, seed)
+    plan.load(q, k, v)
+    B, Hkv, G, L, S, E, Ev = plan.B, plan.Hkv, plan.G, plan.L, plan.S, plan.E, plan.Ev
+    acc = plan.dtype
+    lse2 = (lse * LOG2E).view(B, Hkv, G, L)
+    do = dout.to(plan.mm_dtype).reshape(B, Hkv, G, L, Ev)  # (B, H, L, Ev) -> 5-D
+    D = (do.to(acc) * out.to(acc).view(B, Hkv, G, L, Ev)).sum(-1)  # rowsum(dO * O)
+    D.mul_(1.0 - plan.p)  # (see backward_group)
+    dq = torch.empty(B, Hkv, G, L, E, dtype=acc)
+    dk = torch.zeros(B, Hkv, S, E, dtype=acc)
+    dv = torch.zeros(B, Hkv, S, Ev, dtype=acc)
+    in_threads(  # one thread per group of kv heads: dK, dV are summed over row blocks
+        plan.groups(),
+        lambda g, scratch: plan.backward_group(g, do, D, lse2, dq, dk, dv, scratch),
+    )
+    return (
+        dq.view(B, plan.H, L, E).to(q.dtype),
+        dk.mul_(LN2 / (1.0 - plan.p)).to(k.dtype),  # qb carried log2(e): take it back out
+        dv.mul_(1.0 / (1.0 - plan.p)).to(v.dtype),
+    )
+
+
+# The kernel as two torch operators with autograd, for torch.compile: opaque nodes of its graph
+# (the blocks run on Python threads, which a graph cannot hold). The dropout seed is a tensor so
+# that the compiled graph draws it. (Eager calls take _FlashAttention: the same two functions.)
+@torch.library.custom_op("attnlab::cpu_flash", mutates_args=(), device_types="cpu")
+def _flash_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    alignment: str | None,
+    scale: float,
+    dropout_p: float,
+    seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, mask, alignment, scale, dropout_p, int(seed))
+
+
+@_flash_op.register_fake
+def _(q, k, v, mask, alignment, scale, dropout_p, seed):
+    B, H, L, _ = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, dtype=acc)
+
+
+@torch.library.custom_op("attnlab::cpu_flash_backward", mutates_args=(), device_types="cpu")
+def _flash_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor | None,
+    alignment: str | None,
+    scale: float,
+    dropout_p: float,
+    seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dout, q, k, v, out, lse, mask, alignment, scale, dropout_p, int(seed))
+
+
+@_flash_backward_op.register_fake
+def _(dout, q, k, v, out, lse, mask, alignment, scale, dropout_p, seed):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _save(ctx, inputs, output):
+    q, k, v, mask, alignment, scale, dropout_p, seed = inputs
+    ctx.save_for_backward(q, k, v, *output, mask, seed)
+    ctx.args = (alignment, scale, dropout_p)
+
+
+def _differentiate(ctx, dout, dlse):
+    q, k, v, out, lse, mask, seed = ctx.saved_tensors
+    alignment, scale, dropout_p = ctx.args
+    dq, dk, dv = _flash_backward_op(
+        dout.contiguous(), q, k, v, out, lse, mask, alignment, scale, dropout_p, seed
+    )
+    return dq, dk, dv, None, None, None, None, None
+
+
+_flash_op.register_autograd(_differentiate, setup_context=_save)
