@@ -284,6 +284,9 @@ def test_blocks_run_once_each_on_the_caller_and_a_pool_that_outlives_the_call(mo
     assert any(n.startswith("attnlab-kernel") for n in names)
     assert all(name == mine for _, name, mine in done)  # one scratch per thread
     assert pools[0] is pools[1]  # the same pool served both calls
+    done.clear()  # too few tasks to share: one at a time on the caller (torch's threads inside)
+    _threads.in_threads(list(range(2 * _threads.TASKS_PER_THREAD - 1)), work)
+    assert {name for _, name, _ in done} == {threading.current_thread().name}
 
 
 def test_a_forked_child_runs_the_kernel_on_threads_of_its_own():

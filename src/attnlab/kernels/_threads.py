@@ -17,6 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 PARALLEL = True  # False: one block at a time, torch's intra-op threads inside each op
+# Fewer tasks than this per thread run one at a time with torch's intra-op threads: a block or
+# two do not balance over threads, and each Python thread waits for the GIL at every op
+# (2 threads, dropout fwd+bwd at L = 48-128, 2 tasks: 1.2-1.6x the time of intra-op threads;
+# from 4 tasks on, within noise either way).
+TASKS_PER_THREAD = 2
 
 
 def in_threads(tasks, work):
@@ -29,7 +34,7 @@ def in_threads(tasks, work):
     too instead of waiting.
     """
     threads = min(torch.get_num_threads(), len(tasks))
-    if threads <= 1 or not PARALLEL:
+    if threads <= 1 or not PARALLEL or len(tasks) < TASKS_PER_THREAD * threads:
         scratch = {}
         for task in tasks:
             work(task, scratch)

@@ -20,7 +20,9 @@ class. The probe draws from its own generator (the global RNG is left as it was)
 
 ``ATTNLAB_CPU_TRAINING_KERNEL`` decides instead of measuring: ``attnlab`` (the blocked kernel),
 ``torch`` (torch's fused kernel) or ``measure`` (the default). Both kernels compute the same
-function; only the rounding of 16-bit results differs between them.
+function; only the rounding of 16-bit results differs between them. So where the two are close
+(x0.9-1.1) two processes may choose differently: a run that must repeat bit for bit in another
+process sets the variable.
 """
 
 from __future__ import annotations
