@@ -192,8 +192,9 @@ class DecodeStep:
         if mode is None and device.type == "cuda" and self.backend == "inductor":
             mode = "reduce-overhead"
         self._cuda_graphs = mode == "reduce-overhead" and device.type == "cuda"
-        # dynamic=False: one graph specialised to this geometry (a CUDA graph needs fixed shapes,
-        # and the CPU code is faster with constant sizes); fullgraph: a break would be a bug.
+        # dynamic=False (the default): one graph specialised to this geometry (the CPU code is
+        # faster with constant sizes; a CUDA graph is per geometry anyway); True: symbolic
+        # sizes, one graph for all (the translator's batches); fullgraph: a break is a bug.
         return torch.compile(
             fn, mode=mode, backend=self.backend, fullgraph=True, dynamic=self.dynamic
         )
