@@ -131,12 +131,41 @@ def test_dropout_through_the_dispatch_is_reproducible_and_unbiased():
     assert (mean - want).abs().mean() < 0.05 * want.abs().mean()
 
 
-def test_compiled_calls_keep_torchs_ops():
+@pytest.mark.parametrize("setting", ["attnlab", "torch", "measure"])
+def test_compiled_16_bit_training_takes_the_kernel_chosen_when_traced(setting, monkeypatch):
+    """The choice is made when the graph is traced and kept in it: the blocked kernel as the
+    operator attnlab::cpu_flash, or torch's ops; outputs and gradients equal eager calls'."""
+    monkeypatch.setenv(choice.ENV, setting)
+    monkeypatch.setattr(choice, "measure", lambda *args: 0.25)  # ("measure": the kernel)
+    choice._measured.cache_clear()
     q, k, v = qkv(torch.bfloat16, grad=True)
+
+    def attend(q, k, v):
+        return AF.scaled_dot_product_attention(q, k, v, is_causal="bottom_right")
+
     torch._dynamo.reset()
-    fn = torch.compile(lambda q, k, v: AF.scaled_dot_product_attention(q, k, v), fullgraph=True)
-    out = fn(q, k, v)
-    torch.testing.assert_close(out, AF.scaled_dot_product_attention(q, k, v), rtol=0.02, atol=0.02)
+    graphs = Graphs()
+    compiled = torch.compile(attend, fullgraph=True, backend=graphs)
+    results = []
+    for fn in (attend, compiled):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.float().square().sum().backward()
+        results.append((out.detach(), *(t.grad for t in leaves)))
+    assert ("attnlab.cpu_flash.default" in graphs.targets()) == (setting != "torch")
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch._dynamo.reset()
+    choice._measured.cache_clear()
+
+
+def test_the_traced_choice_is_marked_as_torch_marks_a_constant_result():
+    def probe(*args):
+        return True
+
+    torch.compiler.assume_constant_result(probe)
+    marks = {name for name in vars(probe) if "dynamo" in name}
+    assert marks and all(getattr(sdpa._blocked_in_graph, name) for name in marks)
 
 
 class Graphs:

@@ -18,8 +18,9 @@
 * **cpu_flash** -- attnlab's blocked CPU kernel (:mod:`attnlab.kernels.cpu_flash`), where
   torch's CPU kernel falls short: dropout (torch's has none and falls back to its math path)
   and 16-bit training where the blocked kernel is faster on this CPU (measured once per
-  process: :mod:`attnlab.kernels.choice`). Inside a ``torch.compile`` graph, dropout takes it
-  too, as the operator ``attnlab::cpu_flash`` (a ``torch.export`` keeps torch's ops).
+  process: :mod:`attnlab.kernels.choice`). Inside a ``torch.compile`` graph it serves too, as
+  the operator ``attnlab::cpu_flash`` (the 16-bit choice made when the graph is traced, from
+  fixed sizes); a ``torch.export`` keeps torch's ops.
 * **eager** -- the readable formula ``masked_softmax(Q K^T * scale) V``: weights with dropout,
   16-bit weights that need gradients, and what the blocked kernel does not take.
 
@@ -94,6 +95,17 @@ def _exporting() -> bool:
     """Whether torch.export is tracing (torch >= 2.6 says so; before, never)."""
     is_exporting = getattr(torch.compiler, "is_exporting", None)
     return bool(is_exporting and is_exporting())
+
+
+def _blocked_in_graph(dtype: torch.dtype, E: int, Ev: int, L: int, S: int) -> bool:
+    """:func:`attnlab.kernels.training_16bit`'s verdict, computed when torch.compile traces the
+    call (the probe runs then, outside the graph) and kept in the graph as a constant."""
+    return kernels.training_16bit(dtype, E, Ev, L, S).blocked
+
+
+# torch.compiler.assume_constant_result(_blocked_in_graph), without importing torch._dynamo
+# (1.2 s) with attnlab: this is all it does (tests/test_dispatch_cpu_flash.py checks that).
+_blocked_in_graph._dynamo_marked_constant = True
 
 
 def _trains_16bit(query, key, value) -> bool:
@@ -178,14 +190,12 @@ def _choose(
         # at 0.5-0.67x torch's time and 1/4 its memory; torch stays faster in float32 without
         # dropout (kernel 1.1-1.5x), so it keeps those. Which trains 16-bit attention faster
         # depends on the CPU: measured once per process (attnlab.kernels.choice). A compiled
-        # graph holds the kernel as an operator (attnlab::cpu_flash) for dropout; 16-bit
-        # training keeps torch's ops there (the measurement cannot run inside a trace), and an
-        # exported program keeps torch's ops (it must load without attnlab).
+        # graph holds the kernel as an operator (attnlab::cpu_flash); the 16-bit choice is
+        # made when the graph is traced (from fixed sizes). An exported program keeps torch's
+        # ops (it must load without attnlab).
         unfit = kernels.supports(query, key, value, attn_mask, dropout_p)
         if _exporting():
             unfit = "under torch.export (an exported program keeps torch's ops)"
-        elif torch.compiler.is_compiling() and dropout_p == 0:
-            unfit = "under torch.compile (16-bit training keeps torch's ops in a graph)"
         if dropout_p > 0:
             said = (
                 "dropout_p > 0 on CPU: torch's fused CPU kernel has no dropout (its math path "
@@ -194,10 +204,15 @@ def _choose(
             if unfit is None:
                 return Dispatch("cpu_flash", (said, kernels.describe(query, key, value, alignment)))
             return Dispatch("eager", (said, f"attnlab's blocked kernel does not serve: {unfit}"))
-        if unfit is None:
-            Ev = query.shape[-1] if value is None else value.shape[-1]
-            L, S = query.shape[-2], key.shape[-2]
-            choice = kernels.training_16bit(query.dtype, query.shape[-1], Ev, L, S)
+        Ev = query.shape[-1] if value is None else value.shape[-1]
+        sizes = (query.shape[-1], Ev, query.shape[-2], key.shape[-2])  # E, Ev, L, S
+        if unfit is None and torch.compiler.is_compiling():
+            if not all(type(n) is int for n in sizes):  # (symbolic: the choice needs numbers)
+                pass  # torch's ops
+            elif _blocked_in_graph(query.dtype, *sizes):
+                return Dispatch("cpu_flash", ("16-bit training, chosen when traced",))
+        elif unfit is None:
+            choice = kernels.training_16bit(query.dtype, *sizes)
             said = f"{query.dtype} with autograd on CPU: the faster kernel here ({choice.why})"
             if choice.blocked:
                 return Dispatch("cpu_flash", (said, kernels.describe(query, key, value, alignment)))
