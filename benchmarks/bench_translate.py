@@ -7,6 +7,8 @@ Usage::
 
     python benchmarks/bench_translate.py                 # all models, 1 and 2 threads
     python benchmarks/bench_translate.py --models transformer-multihead,rnn-bahdanau --profile
+    python benchmarks/bench_translate.py --models transformer-multihead --precision bf16 \
+        --without-kernel     # bf16 training with attnlab's blocked kernel, and without it
 
 Prints target tokens per second for training (forward + backward + AdamW) and for greedy
 decoding with and without attention weights, and with ``--profile`` the top operators of one
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import attnlab.kernels  # noqa: E402
 from attnlab.data import load_bible  # noqa: E402
+from attnlab.translate import gpu  # noqa: E402
 from attnlab.translate.batching import (  # noqa: E402
     collate,
     encode_pairs,
@@ -63,6 +66,13 @@ def main() -> int:
         help="also train each model with attnlab's blocked CPU kernel turned off (the path "
         "attention took before it), in the same rounds: before/after in one run",
     )
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="training under bf16 autocast as `attnlab train --precision bf16` (the attention "
+        "then trains in bf16: the blocked kernel where the dispatch measured it faster)",
+    )
     args = parser.parse_args()
 
     pairs = load_bible("train")[:4000]
@@ -73,7 +83,7 @@ def main() -> int:
     src, lengths = source_tensor(tok.encode_batch([p.source for p in test]))
     print(
         f"train batch {tuple(batch.src.shape)} -> {tuple(batch.tgt_out.shape)}, "
-        f"{batch.num_tokens} target tokens; decode {len(test)} verses greedy"
+        f"{batch.num_tokens} target tokens, {args.precision}; decode {len(test)} verses greedy"
     )
 
     models = {}
@@ -88,7 +98,8 @@ def main() -> int:
             with mock.patch.object(attnlab.kernels, "supports", lambda *a: "turned off"):
                 return train_step(m, opt)
         m.train()
-        loss = token_loss(m(batch.src, batch.src_lengths, batch.tgt_in), batch.tgt_out)
+        with gpu.autocast("cpu", args.precision):
+            loss = token_loss(m(batch.src, batch.src_lengths, batch.tgt_in), batch.tgt_out)
         (loss / batch.num_tokens).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
