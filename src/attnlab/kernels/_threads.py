@@ -17,11 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 PARALLEL = True  # False: one block at a time, torch's intra-op threads inside each op
-# Fewer tasks than this per thread run one at a time with torch's intra-op threads: a block or
-# two do not balance over threads, and each Python thread waits for the GIL at every op
-# (2 threads, dropout fwd+bwd at L = 48-128, 2 tasks: 1.2-1.6x the time of intra-op threads;
-# from 4 tasks on, within noise either way).
-TASKS_PER_THREAD = 2
+# Fewer tasks than this per thread run one at a time with torch's intra-op threads: a few
+# blocks do not balance over threads, and each Python thread waits for the GIL at every op
+# (2 threads, fwd+bwd with and without dropout: at L = 48-128, 2 tasks, 1.2-1.6x the time of
+# intra-op threads; at (4, 8, 256, 64), 4 tasks, 1.15-1.3x; from 8 tasks on, within noise).
+TASKS_PER_THREAD = 3
 
 
 def in_threads(tasks, work):
