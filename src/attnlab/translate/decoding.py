@@ -55,7 +55,7 @@ def greedy(
     done = torch.zeros(B, dtype=torch.bool, device=src.device)
     ended_by_eos = torch.zeros(B, dtype=torch.bool, device=src.device)
     steps, attns, scores = [], [], torch.zeros(B, device=src.device)
-    for t in range(int(limits.max())):
+    for t in range(max_length):
         logits, state, attn = model.step(tokens, state, return_attention=return_attention)
         logp = torch.log_softmax(logits.float(), dim=-1)
         nxt = logp.argmax(-1)

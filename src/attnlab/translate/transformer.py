@@ -224,7 +224,7 @@ class TransformerSeq2Seq(nn.Module):
         max_length = -(-max_length // BUCKET) * BUCKET
         self._grow_positions(max_length)  # (not inside the graph)
         options = {"dynamic": True, **(compile if isinstance(compile, dict) else {})}
-        key = tuple(sorted(options.items(), key=lambda kv: kv[0]))
+        key = tuple(sorted(options.items()))  # (names differ: values never compared)
         steps = self.__dict__.setdefault("_decode_steps", {})  # (not a submodule: no state)
         if key not in steps:  # one per options: the same graph serves every batch
             from attnlab.models.decode import DecodeStep
