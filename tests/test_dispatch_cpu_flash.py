@@ -244,3 +244,27 @@ def test_an_exported_program_keeps_torchs_ops_for_dropout():
 
     program = torch.export.export(Attend(), tuple(qkv()))
     assert "attnlab" not in str(program.graph)
+
+
+@pytest.mark.parametrize("setting", ["attnlab", "torch"])
+def test_compiled_16_bit_training_with_symbolic_sizes_chooses_per_length_class(
+    setting, monkeypatch
+):
+    """With symbolic sizes the choice is made for the length class (guards on it): no graph
+    break, one graph for lengths of one class, the kernel chosen, the eager results."""
+    monkeypatch.setenv(choice.ENV, setting)
+    torch._dynamo.reset()
+    graphs = Graphs()
+    compiled = torch.compile(
+        AF.scaled_dot_product_attention, fullgraph=True, dynamic=True, backend=graphs
+    )
+    for S in (40, 50):  # (one class: 64)
+        q, k, v = (t[:, :, :S] for t in qkv(torch.bfloat16))
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = compiled(q, k, v)
+        out.float().sum().backward()
+        want = AF.scaled_dot_product_attention(q, k, v)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert ("attnlab.cpu_flash.default" in graphs.targets()) == (setting == "attnlab")
+    assert len({id(gm) for gm in graphs.graphs}) <= 2  # (forward graph; no recompilation)
+    torch._dynamo.reset()

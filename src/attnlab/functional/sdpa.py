@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -97,10 +98,11 @@ def _exporting() -> bool:
     return bool(is_exporting and is_exporting())
 
 
-def _blocked_in_graph(dtype: torch.dtype, E: int, Ev: int, L: int, S: int) -> bool:
-    """:func:`attnlab.kernels.training_16bit`'s verdict, computed when torch.compile traces the
-    call (the probe runs then, outside the graph) and kept in the graph as a constant."""
-    return kernels.training_16bit(dtype, E, Ev, L, S).blocked
+def _blocked_in_graph(dtype: torch.dtype, E: int, Ev: int, n: int) -> bool:
+    """:func:`attnlab.kernels.training_16bit`'s verdict for length class ``n``, computed when
+    torch.compile traces the call (the probe runs then, outside the graph) and kept in the graph
+    as a constant."""
+    return kernels.training_16bit(dtype, E, Ev, n, n).blocked
 
 
 # torch.compiler.assume_constant_result(_blocked_in_graph), without importing torch._dynamo
@@ -207,9 +209,10 @@ def _choose(
         Ev = query.shape[-1] if value is None else value.shape[-1]
         sizes = (query.shape[-1], Ev, query.shape[-2], key.shape[-2])  # E, Ev, L, S
         if unfit is None and torch.compiler.is_compiling():
-            if not all(type(n) is int for n in sizes):  # (symbolic: the choice needs numbers)
-                pass  # torch's ops
-            elif _blocked_in_graph(query.dtype, *sizes):
+            E, Ev, L, S = sizes  # (symbolic ones: head sizes specialised, lengths by class)
+            n = kernels.choice.length_class(L, S)
+            # (operator.index, not int(): dynamo makes a symbolic size a number with it)
+            if _blocked_in_graph(query.dtype, operator.index(E), operator.index(Ev), n):
                 return Dispatch("cpu_flash", ("16-bit training, chosen when traced",))
         elif unfit is None:
             choice = kernels.training_16bit(query.dtype, *sizes)

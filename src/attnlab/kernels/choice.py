@@ -53,9 +53,14 @@ class Choice:
 
 
 def length_class(L: int, S: int) -> int:
-    """``max(L, S)`` rounded up to a power of two, clamped to ``LENGTHS``."""
-    n = 1 << max(0, max(L, S) - 1).bit_length()
-    return min(max(n, LENGTHS[0]), LENGTHS[1])
+    """``max(L, S)`` rounded up to a power of two, clamped to ``LENGTHS``.
+
+    (Comparisons only: under torch.compile with symbolic sizes they become guards on the class,
+    so one graph serves every length of it.)"""
+    n, c = max(L, S), LENGTHS[0]
+    while c < LENGTHS[1] and n > c:
+        c *= 2
+    return c
 
 
 def training_16bit(dtype: torch.dtype, E: int, Ev: int, L: int, S: int) -> Choice:
