@@ -2,7 +2,8 @@
 
 1. ``scaled_dot_product_attention`` (fused path) vs calling ``torch.nn.functional.
    scaled_dot_product_attention`` directly: forward and forward+backward, float32 and bfloat16.
-   Target: within 1.05x.
+   Target: within 1.05x. And the microseconds a call adds at tiny shapes (``--only
+   overhead``; target <= 5 us over SDPA).
 2. ``return_weights=True`` vs the naive materialising formula ``softmax(Q K^T / sqrt(E)) V``.
 3. ``additive_attention`` vs the naive Bahdanau formula (seed 002's ``AdditiveAttention``):
    time and peak memory at B=8, L=S=1024, A=256. Target: >= 5x less peak memory, not slower.
@@ -16,7 +17,7 @@ Allocator: materialised weights are dominated by page faults on fresh memory; se
 ``common.py`` for ``THP_MEM_ALLOC_ENABLE=1`` and run the script a second time with it.
 
 Usage: ``python benchmarks/bench_core.py [--quick] [--threads N] [--skip-naive-additive]
-[--only fused|weights|additive|flash]``
+[--only fused|overhead|weights|additive|flash]``
 """
 
 from __future__ import annotations
@@ -147,6 +148,40 @@ def bench_fused(rounds: int) -> None:
                 rounds=rounds,
             )
         print(ratio_line(f"fwd GQA 8/2 causal {str(dtype)[6:]}", stats, "attnlab", "torch"))
+
+
+def _repeat(fn, q, k, v, kwargs, calls=2000) -> None:
+    for _ in range(calls):
+        fn(q, k, v, **kwargs)
+
+
+def bench_overhead(rounds: int) -> None:
+    """Microseconds attnlab adds per call at tiny shapes (issue: <= 5 us over SDPA)."""
+    header("call overhead: attnlab vs torch SDPA at tiny shapes, no grad (us per call)")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = 2000  # back to back per timing (_repeat): what differs is the host's cost per call
+    for shape in [(1, 2, 4, 8), (1, 8, 64, 64)]:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(*shape, generator=g) for _ in range(3))
+        keep = torch.ones(shape[2], shape[2], dtype=torch.bool).tril()
+        kinds = {
+            "plain": ({}, {}),
+            "causal": ({"is_causal": True}, {"is_causal": True}),
+            "bool mask": ({"attn_mask": keep}, {"attn_mask": keep}),
+        }
+        for kind, (ours, theirs) in kinds.items():
+            cases = {
+                "attnlab": lambda o=ours: _repeat(AF.scaled_dot_product_attention, q, k, v, o),
+                "torch": lambda t=theirs: _repeat(sdpa, q, k, v, t),
+            }
+            with torch.no_grad():
+                stats = round_robin(cases, rounds=rounds)
+            a, b = (stats[n]["best"] / calls * 1e6 for n in ("attnlab", "torch"))
+            m = (stats["attnlab"]["median"] - stats["torch"]["median"]) / calls * 1e6
+            print(
+                f"{kind:<10} {shape!s:<16} attnlab {a:7.1f} us  torch {b:7.1f} us  "
+                f"+{a - b:5.1f} us (best), +{m:5.1f} us (median)"
+            )
 
 
 def bench_weights(rounds: int) -> None:
@@ -337,7 +372,9 @@ def main() -> None:
         action="store_true",
         help="skip the naive additive forward (needs ~16 GiB)",
     )
-    p.add_argument("--only", choices=["fused", "weights", "additive", "flash"], default=None)
+    p.add_argument(
+        "--only", choices=["fused", "overhead", "weights", "additive", "flash"], default=None
+    )
     p.add_argument("--memory-case", choices=sorted(MEMORY_CASES), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.threads:
@@ -350,6 +387,8 @@ def main() -> None:
     rounds = 4 if args.quick else 10
     if args.only in (None, "fused"):
         bench_fused(rounds)
+    if args.only in (None, "overhead"):
+        bench_overhead(rounds)
     if args.only in (None, "weights"):
         bench_weights(rounds)
     if args.only in (None, "additive"):

@@ -18,7 +18,7 @@ from attnlab.functional._layout import _finite_rows, propagate_nonfinite
 from attnlab.models import DecodeStep, LlamaConfig, LlamaModel
 from attnlab.nn import MultiHeadAttention
 
-nan = float("nan")
+nan, inf = float("nan"), float("inf")
 CACHES = {
     "dynamic": lambda: DynamicCache(),
     "static": lambda: StaticCache(16),
@@ -128,3 +128,38 @@ def test_the_decode_step_flags_what_it_writes():
         assert torch.isfinite(after[0]).all() and after[1].isnan().all()
         want = model(torch.tensor([[1, 2, 3, 2, 3]]))[:, -1:]  # row 0 untouched by row 1
     torch.testing.assert_close(after[0:1], want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        ((2, 6, 5, 4), (2, 2, 7, 4), (2, 2, 7, 3)),  # GQA, G = 3
+        ((2, 3, 5, 4), (2, 3, 7, 4), (2, 3, 7, 4)),  # MHA
+        ((3, 5, 4), (3, 7, 4), (3, 7, 6)),  # (B, L, E), as additive attention gives them
+        ((2, 2, 5, 0), (2, 1, 7, 0), (2, 1, 7, 3)),  # E = 0: empty rows are finite
+    ],
+)
+def test_the_row_check_equals_the_oracle(dtype, shapes):
+    # the traced and GPU path: max |x| per row / kv head, then one finiteness test; values at
+    # the dtype's largest must not overflow into a false NaN (max, never a sum)
+    from attnlab.functional._layout import nonfinite_rows
+    from attnlab.reference.attention import _nonfinite_rows
+
+    g = torch.Generator().manual_seed(3)
+    big = torch.finfo(dtype).max
+    for trial in range(12):
+        q, k, v = (torch.randn(*s, generator=g).to(dtype) for s in shapes)
+        for t in (q, k, v):
+            if t.numel() and torch.rand((), generator=g) < 0.5:
+                flat = t.view(-1)
+                i = int(torch.randint(flat.numel(), (), generator=g))
+                flat[i] = (nan, inf, -inf, big, -big)[trial % 5]
+        want = _nonfinite_rows(q.float().numpy(), k.float().numpy(), v.float().numpy())
+        got = nonfinite_rows(q, k, v)
+        assert got.shape == want.shape and (got.numpy() == want).all()
+        if q.dim() == 4:  # the caches' verdict for K and V instead of reading them
+            kv_finite = torch.isfinite(k.float()).flatten(-2).all(-1) & torch.isfinite(
+                v.float()
+            ).flatten(-2).all(-1)
+            assert (nonfinite_rows(q, k, v, kv_finite).numpy() == want).all()

@@ -161,6 +161,38 @@ def test_only_masks_make_rows_dead(path):
     assert run_path(path, q, k, v, mask)[0, 0, 3].isnan().all()
 
 
+def test_the_screen_tells_an_overflowing_sum_from_a_nan_or_an_inf():
+    # the eager screen sums each input in its own dtype: finite values may overflow the sum
+    # (float16 from 65,504), which must not read as a NaN; a min and max decide then
+    from attnlab.functional._layout import all_finite
+
+    big = torch.full((100,), 1000.0, dtype=torch.float16)
+    assert big.sum().isinf() and all_finite(big)
+    assert all_finite(torch.full((10,), 3e38, dtype=torch.bfloat16))
+    for bad in (nan, inf, -inf):
+        x = big.clone()
+        x[7] = bad
+        assert not all_finite(x) and not all_finite(torch.ones(3), x, torch.ones(2))
+    pair = torch.tensor([inf, -inf])  # a sum of NaN, a min and max of infinities
+    assert not all_finite(pair) and not all_finite(torch.empty(0), pair)
+    assert all_finite(torch.empty(0), torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_large_finite_16bit_inputs_are_not_taken_for_nan(dtype):
+    q, k, v = qkv(dtype=torch.float32)
+    v = v + 400  # its float16 sum overflows (224 values of ~400)
+    want = AF.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    q16, k16, v16 = (t.to(dtype) for t in (q, k, v))
+    assert math.isinf(v16.half().sum().item())
+    got = AF.scaled_dot_product_attention(q16, k16, v16)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=0.01, atol=0)
+    k16[1, 1, 3, 0] = nan  # and a NaN among them is still found: kv head 1 -> heads 2, 3
+    got = AF.scaled_dot_product_attention(q16, k16, v16)
+    assert got[1, 2:].isnan().all() and torch.isfinite(got[0]).all()
+
+
 def test_masked_softmax_additive_and_hard_follow_the_policy():
     # before: masked_softmax of an all-NaN row gave [0, 0, 0]
     assert AF.masked_softmax(torch.tensor([[nan, nan, nan]])).isnan().all()

@@ -32,11 +32,17 @@ def check_floating(name: str, tensor: torch.Tensor) -> None:
         )
 
 
+# whether autocast is on for any device (torch >= 2.1; otherwise asked per device below)
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
 def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors as torch's autocast gives them to its own attention: under an enabled
     ``torch.autocast`` for their device, float32 tensors are cast to the autocast dtype (so a
     bf16 projection meets a float32 RNN state as torch SDPA would take them); otherwise as is.
     """
+    if _any_autocast is not None and not _any_autocast():
+        return tensors  # (one C call, ~0.15 us: this runs at every attention call)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return tensors  # (the checks that follow name what is wrong)
     device = tensors[0].device.type
@@ -52,6 +58,8 @@ def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> No
     Leading dims are optional: 2-D ``(L, E)``, 3-D ``(B, L, E)`` and 4-D ``(B, H, L, E)`` are
     accepted, but query, key and value must all have the same number of dims.
     """
+    if _qkv_fit(query, key, value):
+        return  # (the common case in ~1 us; the checks below say what is wrong otherwise)
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_floating(name, t)
     if query.dim() < 2:
@@ -113,6 +121,30 @@ def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> No
                 f"query head h reads kv head h // (H // Hkv)); got H={h}, Hkv={hkv}. "
                 f"Fix: use Hkv in {divisors(h)}."
             )
+
+
+def _qkv_fit(query, key, value) -> bool:
+    """True when :func:`check_qkv` has nothing to say about 4-D CPU inputs (its hot case); False
+    means "run the checks", not "wrong"."""
+    T = torch.Tensor
+    if not (isinstance(query, T) and isinstance(key, T) and isinstance(value, T)):
+        return False
+    qs, ks, vs = query.shape, key.shape, value.shape
+    if not (
+        len(qs) == 4
+        and len(ks) == 4
+        and len(vs) == 4
+        and query.is_floating_point()
+        and key.dtype == query.dtype
+        and value.dtype == query.dtype
+        and query.is_cpu
+        and key.is_cpu
+        and value.is_cpu
+    ):
+        return False
+    B, H, _, E = qs
+    Bk, Hkv, S, Ek = ks
+    return Ek == E and vs[0] == Bk == B and vs[1] == Hkv and vs[2] == S and Hkv > 0 and H % Hkv == 0
 
 
 def broadcast_shapes(*shapes) -> tuple[int, ...]:

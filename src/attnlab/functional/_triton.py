@@ -29,8 +29,10 @@ def structure_of(mask, query: torch.Tensor, key: torch.Tensor):
     """(key_range, band) that a mask from :mod:`attnlab.masks` carries, when it applies to
     these inputs as built (a padding mask (B, 1, 1, S), a document mask or a sliding window
     (L, S)); (None, None) otherwise, and the mask is read as it is."""
+    if mask is None:
+        return None, None
     key_range, band = getattr(mask, "key_range", None), getattr(mask, "band", None)
-    if mask is None or (key_range is None and band is None) or query.dim() != 4:
+    if (key_range is None and band is None) or query.dim() != 4:
         return None, None
     B, L, S = query.shape[0], query.shape[-2], key.shape[-2]
     shape = tuple(mask.shape)

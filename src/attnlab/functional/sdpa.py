@@ -128,8 +128,6 @@ def _choose(
     triton: bool = True,
 ) -> Dispatch:
     """The path of a call; ``why=False`` skips writing the fused path's reasons (hot path)."""
-    # traced (torch.compile, torch.export): torch's ops, which the graph can hold
-    compiling = torch.compiler.is_compiling()
     if 0 in query.shape or 0 in key.shape[-2:]:
         return Dispatch(
             "eager",
@@ -152,7 +150,12 @@ def _choose(
                 + " -- the blocked weights backward takes float32/float64 and a constant mask",
             ),
         )
-    if triton and (return_weights or structure != (None, None)) and not compiling:
+    # traced (torch.compile, torch.export): torch's ops, which the graph can hold
+    if (
+        triton
+        and (return_weights or structure != (None, None))
+        and not torch.compiler.is_compiling()
+    ):
         training = _needs_grad(query, key, value, attn_mask)
         unfit = _triton.unfit(query, key, value, attn_mask, dropout_p, training, return_weights)
         if unfit is None:
@@ -187,7 +190,7 @@ def _choose(
             ),
         )
     measured = None  # why torch's kernel trains this 16-bit call, when measured faster
-    if query.device.type == "cpu" and (dropout_p > 0 or _trains_16bit(query, key, value)):
+    if query.is_cpu and (dropout_p > 0 or _trains_16bit(query, key, value)):
         # Measured in benchmarks/bench_core.py (--only flash): the blocked kernel runs dropout
         # at 0.5-0.67x torch's time and 1/4 its memory; torch stays faster in float32 without
         # dropout (kernel 1.1-1.5x), so it keeps those. Which trains 16-bit attention faster
@@ -236,7 +239,7 @@ def _choose(
         reasons.append("bottom-right causal with one query sees every key: no mask needed")
     elif alignment is not None:
         reasons.append(f"{alignment} causal with L={L}, S={S} passed as a bool mask")
-    if attn_mask is not None and query.device.type != "cpu":
+    if attn_mask is not None and not query.is_cpu:
         reasons.append("fully masked rows zeroed after the kernel")
     return Dispatch("fused", tuple(reasons))
 
@@ -482,14 +485,16 @@ def _check_weights_out(buffer, query, q, S, return_weights, dropout_p) -> torch.
 
 def _fused(q, k, v, mask, alignment, scale, dropout_p):
     """torch's fused kernel, with attnlab's mask and causal semantics."""
-    L, S = q.shape[-2], k.shape[-2]
-    if alignment == "bottom_right" and L == S:
-        alignment = "top_left"  # the same triangle: let torch use its is_causal fast path
-    torch_causal = alignment == "top_left" and mask is None
-    if alignment == "bottom_right" and L == 1:
-        alignment = None  # the last position sees every key
-    if not torch_causal:
-        mask = with_causal(mask, alignment, L, S, q.device)
+    torch_causal = False
+    if alignment is not None:
+        L, S = q.shape[-2], k.shape[-2]
+        if alignment == "bottom_right" and L == S:
+            alignment = "top_left"  # the same triangle: let torch use its is_causal fast path
+        torch_causal = alignment == "top_left" and mask is None
+        if alignment == "bottom_right" and L == 1:
+            alignment = None  # the last position sees every key
+        if not torch_causal:
+            mask = with_causal(mask, alignment, L, S, q.device)
     if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)
     gqa = False  # a Python bool also under symbolic shapes (the branch is a guard)
@@ -505,7 +510,7 @@ def _fused(q, k, v, mask, alignment, scale, dropout_p):
         scale=scale,
         enable_gqa=gqa,
     )
-    if mask is not None and q.device.type != "cpu":
+    if mask is not None and not q.is_cpu:
         # CPU's kernel returns 0 for rows with no attendable key; others may return NaN.
         alive = (mask if mask.dtype == torch.bool else mask > float("-inf")).any(-1, keepdim=True)
         out = out.masked_fill(~alive, 0.0)
