@@ -5,7 +5,9 @@
     TRITON_INTERPRET=1 python benchmarks/bench_gpu.py --smoke   # tiny shapes, CPU interpreter:
                                                    # checks the script, times mean nothing
 
-Without CUDA (and without --smoke) it says so and exits 0. Each table times its cases
+Run ``benchmarks/gpu_check.py`` first on a new machine: it checks every kernel's results on
+the GPU against float64 (CI runs them only through the interpreter). Without CUDA (and without
+--smoke) this script says so and exits 0. Each table times its cases
 round-robin (one call of each per round) with CUDA events, medians over rounds, and prints
 ratios against the peer measured in the same rounds:
 
