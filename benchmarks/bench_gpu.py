@@ -220,7 +220,9 @@ def _tril(L, causal, device):
 
 def bench_overhead(args) -> None:
     print("== call overhead: attnlab's fused path vs SDPA called directly ==")
-    for B, H, L, E in [(1, 8, 64, 64)] + ([] if args.smoke else [(16, 16, 512, 64)]):
+    # the large shape shows the NaN policy's row check (one more read of Q, K, V per call)
+    big = [(16, 16, 512, 64), (4, 32, 4096, 128)]
+    for B, H, L, E in [(1, 8, 64, 64)] + ([] if args.smoke else big):
         q, k, v = qkv(B, H, L, E, args.device, args.dtype)
         with torch.no_grad():
             cases = {
@@ -228,7 +230,7 @@ def bench_overhead(args) -> None:
                 "attnlab": lambda: attnlab.scaled_dot_product_attention(q, k, v),
             }
             # wall clock of many back-to-back calls: the host cost is what differs
-            n = 20 if args.smoke else 200
+            n = 20 if args.smoke or L >= 4096 else 200
             loops = {name: (lambda fn=fn: [fn() for _ in range(n)]) for name, fn in cases.items()}
             t = round_robin(loops, args.device, args.rounds)
         sdpa, ours = t["SDPA"] / n, t["attnlab"] / n
