@@ -28,6 +28,7 @@ def blocks(request, monkeypatch):
     if request.param == "tiny-blocks":
         monkeypatch.setattr(cf, "BLOCK_ROWS", 3)
         monkeypatch.setattr(cf, "BLOCK_BYTES", 1)  # one kv head x 3 rows per block
+        monkeypatch.setattr(cf, "ONE_BLOCK_BYTES_BF16", 0)  # bf16 products too
         monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the thread pool, always
     return request.param
 
@@ -147,6 +148,20 @@ def test_16bit_within_twice_the_control_error(blocks, monkeypatch, dtype, native
         assert o.dtype == dtype, name
         err, err_control = (o.double() - t).abs().max(), (c.double() - t).abs().max()
         assert err <= 2 * err_control + 1e-3, (name, float(err), float(err_control))
+
+
+def test_bf16_products_take_all_rows_in_one_block_while_they_fit(monkeypatch):
+    # one row block makes dK and dV one bf16 GEMM each (one rounding, as float32 accumulation
+    # gives); past ONE_BLOCK_BYTES_BF16 the rows are blocked again and accumulate in float32
+    monkeypatch.setattr(cf, "native_bf16", lambda: True)
+    q, k, v = inputs(1, 4, 2, 600, 700, 8, 8, dtype=torch.bfloat16)
+    assert cf._Plan(q, k, v, None, None, 1.0, 0.0, 0).rows == 600  # 2 x 600 x 700 x 4 B fits
+    assert cf._Plan(q.float(), k.float(), v.float(), None, None, 1.0, 0.0, 0).rows == 256
+    monkeypatch.setattr(cf, "ONE_BLOCK_BYTES_BF16", 2 * 600 * 700 * 4 - 1)
+    assert cf._Plan(q, k, v, None, None, 1.0, 0.0, 0).rows == cf.BLOCK_ROWS
+    monkeypatch.setattr(cf, "native_bf16", lambda: False)  # widened to float32: blocked
+    monkeypatch.setattr(cf, "ONE_BLOCK_BYTES_BF16", 2**40)
+    assert cf._Plan(q, k, v, None, None, 1.0, 0.0, 0).rows == cf.BLOCK_ROWS
 
 
 def test_strided_inputs_and_no_grad_modes(blocks):

@@ -34,9 +34,9 @@ group of kv heads with all its row blocks, so dK, dV (float32) add up without lo
 Dtypes: softmax statistics in float32 (float64 for float64 inputs, which is how the gradcheck
 test runs; :func:`supports` refuses float64 for dispatch). Products run in bfloat16 only where
 the CPU has native bf16 GEMMs (AMX / AVX512-BF16), dK and dV accumulating in float32 over row
-blocks (with one row block, L <= 256, their one product is a bf16 GEMM: one rounding either
-way); elsewhere (AVX2, where a bf16 ``bmm`` runs at < 1 GFLOP/s) 16-bit inputs are widened to
-float32 once.
+blocks (with one row block, ``ONE_BLOCK_BYTES_BF16``, their one product is a bf16 GEMM: one
+rounding either way); elsewhere (AVX2, where a bf16 ``bmm`` runs at < 1 GFLOP/s) 16-bit
+inputs are widened to float32 once.
 
 Dropout: one int64 seed per call (from ``generator`` or torch's default generator); block
 ``n`` draws its keep mask from ``torch.Generator().manual_seed(seed + n)``, so the backward
@@ -62,6 +62,10 @@ from attnlab.kernels._threads import in_threads, scratch_view
 
 BLOCK_ROWS = 256  # query rows per head in one block (measured: 64-512 within noise, 256 best)
 BLOCK_BYTES = 2 * 2**20  # float32 scores of one block (at least one head x G*BLOCK_ROWS x S)
+# bf16 products: all L rows of a kv head's G heads in one block while their float32 scores fit
+# this (L = S = 1,448 for G = 1), so that dK and dV are one bf16 GEMM each (backward_group):
+# fwd+bwd 11-17% faster at L = 512-1,536 (measured; at 2,048 one block is 20% slower)
+ONE_BLOCK_BYTES_BF16 = 8 * 2**20
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 inf = float("inf")
 
@@ -160,6 +164,8 @@ class _Plan:
         self.mm_dtype = q.dtype if q.dtype == torch.float64 or native else torch.float32
         self.offset = None if alignment is None else (S - L if alignment == "bottom_right" else 0)
         self.rows = min(L, BLOCK_ROWS)
+        if self.mm_dtype == torch.bfloat16 and H // Hkv * L * S * 4 <= ONE_BLOCK_BYTES_BF16:
+            self.rows = L
         per_head = self.G * self.rows * S * 4  # bytes of one kv head's scores in a block
         if per_head * Hkv <= BLOCK_BYTES:  # several batch rows, all heads
             self.batches, self.heads = min(B, max(1, BLOCK_BYTES // (per_head * Hkv))), Hkv
@@ -273,7 +279,7 @@ class _Plan:
         bs, js, blocks = group
         G, E, Ev, p, mm = self.G, self.E, self.Ev, self.p, self.mm_dtype
         # bf16 products and one row block: dK, dV get one product each, rounded once either
-        # way, so it may be a bf16 GEMM (10-25% faster fwd+bwd at L = 64-256); more blocks
+        # way, so it may be a bf16 GEMM (fwd+bwd 6-33% faster at L = 64-1,024); more blocks
         # would add one rounding per block, so they accumulate in float32 (_accumulate)
         once = mm != self.dtype and len(blocks) == 1
         for n, r0, r1, kmax in blocks:
