@@ -89,6 +89,27 @@ def test_the_measurement_times_both_kernels_and_leaves_the_process_as_it_was():
     assert torch.equal(torch.get_rng_state(), state)  # the probe drew from its own generator
 
 
+def test_the_probe_leaves_activation_checkpointing_alone(monkeypatch):
+    # the probe trains a graph of its own on first use; on the caller's thread, the saved-tensor
+    # hooks of a non-reentrant checkpoint captured its tensors, and the recomputation (which
+    # finds the choice cached) saved fewer: CheckpointError in backward
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.delenv(choice.ENV, raising=False)
+    choice._measured.cache_clear()
+    q, k, v = qkv(torch.bfloat16, grad=True)
+
+    def attend(q, k, v):
+        return AF.scaled_dot_product_attention(q, k, v, is_causal="bottom_right")
+
+    out = checkpoint(attend, q, k, v, use_reentrant=False)
+    got = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    want = torch.autograd.grad(attend(q, k, v).float().square().sum(), (q, k, v))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # (the same kernel, chosen once)
+    choice._measured.cache_clear()
+
+
 def test_a_bad_kernel_setting_is_refused_with_the_choices(monkeypatch):
     monkeypatch.setenv(choice.ENV, "fast")
     with pytest.raises(ValueError, match=r"ATTNLAB_CPU_TRAINING_KERNEL must be one of measure, "
@@ -235,6 +256,41 @@ def test_the_kernel_operators_pass_torchs_operator_checks():
     op = torch.ops.attnlab.cpu_flash.default
     torch.library.opcheck(op, (q, k, v, mask, None, 0.25, 0.2, seed))
     torch.library.opcheck(op, (q, k, v, None, "bottom_right", 0.25, 0.0, seed))
+
+
+def test_the_backward_operator_returns_contiguous_gradients_for_transposed_inputs():
+    # attention inputs are usually (B, L, H, E) projections seen as (B, H, L, E): the backward's
+    # fake kernel gave its gradients those strides, the real one contiguous ones, and inductor's
+    # stride check failed in every compiled training step with dropout
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv())  # (B, L, H, E)
+    assert not q.is_contiguous()
+    seed = torch.tensor(7)
+    out, lse = torch.ops.attnlab.cpu_flash.default(q, k, v, None, None, 0.25, 0.1, seed)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(8))
+    args = (dout, q, k, v, out, lse, None, None, 0.25, 0.1, seed)
+    torch.library.opcheck(torch.ops.attnlab.cpu_flash_backward.default, args)
+
+
+def test_compiled_training_with_dropout_on_transposed_projections():
+    g = torch.Generator().manual_seed(9)
+    x = [torch.randn(2, 33, 4, 8, generator=g) for _ in range(3)]  # (B, L, H, E)
+
+    def attend(q, k, v):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return AF.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True)
+    grads = []
+    for inputs in (x, [t.transpose(1, 2).contiguous().transpose(1, 2) for t in x]):
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        torch.manual_seed(2)
+        compiled(*leaves).square().sum().backward()
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads, strict=True):  # (the same draws: only the layout differs)
+        assert torch.isfinite(a).all() and a.abs().sum() > 0
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()
 
 
 def test_an_exported_program_keeps_torchs_ops_for_dropout():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -79,13 +80,37 @@ def training_16bit(dtype: torch.dtype, E: int, Ev: int, L: int, S: int) -> Choic
 
 @functools.cache
 def _measured(dtype: torch.dtype, E: int, Ev: int, n: int, threads: int) -> Choice:
-    ratio = measure(dtype, E, Ev, n)
+    ratio = _on_own_thread(measure, dtype, E, Ev, n)
     said = (
         f"measured once in this process: attnlab's blocked kernel takes x{ratio:.2f} torch's "
         f"forward+backward time at {probe_shape(n, E)} {str(dtype).removeprefix('torch.')}, "
         f"{threads} thread(s)"
     )
     return Choice(ratio < 1.0, said)
+
+
+def _on_own_thread(fn, *args):
+    """``fn(*args)`` on a fresh thread, returned (or raised) here.
+
+    The probe trains a graph of its own while the caller may be recording one: autograd's
+    state is per thread (grad mode, autocast, and the saved-tensor hooks of activation
+    checkpointing, which would otherwise capture the probe's tensors and find a different
+    count when the checkpoint recomputes), so a thread of its own leaves the caller's alone.
+    """
+    done: dict = {}
+
+    def run():
+        try:
+            done["value"] = fn(*args)
+        except BaseException as error:  # (raised again in the caller's thread)
+            done["error"] = error
+
+    thread = threading.Thread(target=run, name="attnlab-kernel-probe")
+    thread.start()
+    thread.join()
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
 
 
 def probe_shape(n: int, E: int) -> tuple[int, int, int, int]:

@@ -430,7 +430,8 @@ def _flash_backward_op(
 
 @_flash_backward_op.register_fake
 def _(dout, q, k, v, out, lse, mask, alignment, scale, dropout_p, seed):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous, as _backward returns them (empty_like would keep a transposed input's strides)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _save(ctx, inputs, output):
