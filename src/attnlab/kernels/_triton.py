@@ -47,3 +47,27 @@ def unfit(*tensors: torch.Tensor | None) -> str | None:
 def where() -> str:
     """How a kernel runs: ``"Triton interpreter"`` or ``"Triton (CUDA)"``."""
     return "Triton interpreter (TRITON_INTERPRET=1)" if INTERPRET else "Triton (CUDA)"
+
+
+INT32_MAX = 2**31 - 1
+
+
+def offsets_unfit(**tensors: torch.Tensor | None) -> str | None:
+    """None when each tensor's offsets within one (rows, columns) slice fit in int32, else why not.
+
+    The kernels take each program's base offset (``b * stride_b + h * stride_h``) in int64 and
+    the offsets within a tile's slice in int32, which keeps their registers free; a tensor whose
+    last two dims span 2**31 elements or more (one head of a 50,000 x 50,000 mask) would wrap
+    there, so it keeps the existing paths. Nearly always answered from the storage's size alone.
+    """
+    for name, t in tensors.items():
+        if t is None or t.untyped_storage().nbytes() <= INT32_MAX * t.element_size():
+            continue
+        dims = zip(t.shape[-2:], t.stride()[-2:], strict=True)
+        span = sum((n - 1) * abs(s) for n, s in dims if n)
+        if span > INT32_MAX:
+            return (
+                f"{name}: offsets within one head reach {span:,} elements, past the kernels' "
+                "32-bit tile offsets (2**31 - 1)"
+            )
+    return None

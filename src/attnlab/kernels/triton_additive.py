@@ -434,7 +434,7 @@ def supports(query, key, value, attn_mask) -> str | None:
         return f"value's leading dims {tuple(value.shape[:-2])} do not broadcast to {tuple(lead)}"
     if attn_mask is not None and attn_mask.requires_grad:
         return "a float mask that requires grad: the kernel gives no gradient for the mask"
-    return None
+    return _triton.offsets_unfit(value=value, attn_mask=attn_mask)
 
 
 def describe(query, key, value, w_score) -> str:

@@ -28,6 +28,11 @@ Which keys may be attended (all conditions at once)::
     mask[b, h, i, j]                            a bool mask, True = may attend (optional)
     s_ij += bias[b, h, i, j]                    or a float mask added to the scores
 
+Offsets: each program's base offset into a tensor (``b * stride_b + h * stride_h``) is int64,
+since large tensors pass 2**31 elements (a bool mask of 8 x 32 x 4096 x 4096); offsets within
+a tile (``i * stride_i + e``) stay int32, which keeps registers free, and :func:`supports`
+refuses inputs whose offsets within one head would not fit (the existing paths serve them).
+
 Masks are read through their strides, so a broadcast (B, 1, 1, S) key-padding mask costs one
 row per key block, never an (L, S) tensor. Matrix products take the inputs' dtype (fp16, bf16;
 fp32 with IEEE precision, not TF32) and accumulate in fp32; softmax statistics are fp32.
@@ -44,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._triton import INTERPRET
+from attnlab.kernels._triton import INTERPRET, offsets_unfit
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -77,9 +82,9 @@ def _scores(q, K, kv_base, offs_n, offs_e, ske, sks, S, E, DOT: tl.constexpr):
 def _rows(KSTART, KEND, srb, srl, b, offs_m, L, S, HAS_RANGE: tl.constexpr):
     """Each row's key range [r_lo, r_hi), (BLOCK,) int32 each; rows past L see no key."""
     if HAS_RANGE:
-        at = b * srb + offs_m * srl
-        r_lo = tl.load(KSTART + at, mask=offs_m < L, other=S)
-        r_hi = tl.minimum(tl.load(KEND + at, mask=offs_m < L, other=0), S)
+        at = offs_m * srl
+        r_lo = tl.load(KSTART + b * srb + at, mask=offs_m < L, other=S)
+        r_hi = tl.minimum(tl.load(KEND + b * srb + at, mask=offs_m < L, other=0), S)
     else:
         r_lo = tl.where(offs_m < L, 0, S)
         r_hi = tl.where(offs_m < L, S, 0)
@@ -133,7 +138,7 @@ def _forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # int64 base offsets (see "Offsets" above)
     b = bh // H
     h = bh % H
     hk = h // G  # the GQA mapping: query head h reads kv head h // G
@@ -199,7 +204,7 @@ def _weights_kernel(
     """One (BLOCK_M, BLOCK_N) tile of weights: of head h, or averaged over the H heads."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    bh = tl.program_id(2)  # b * H + h, or b when AVERAGE
+    bh = tl.program_id(2).to(tl.int64)  # b * H + h, or b when AVERAGE; int64 base offsets
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_e = tl.arange(0, BLOCK_E)
@@ -213,7 +218,8 @@ def _weights_kernel(
         heads = 1
     r_lo, r_hi = _rows(KSTART, KEND, srb, srl, b, offs_m, L, S, HAS_RANGE)
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for h in range(h0, h0 + heads):
+    for hh in range(h0, h0 + heads):
+        h = tl.cast(hh, tl.int64)  # int64 base offsets
         q = tl.load(
             Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
             mask=(offs_m[:, None] < L) & (offs_e[None, :] < E),
@@ -406,7 +412,7 @@ def supports(q, k, v, mask) -> str | None:
         return f"head dim {max(q.shape[-1], v.shape[-1])} > {MAX_HEAD_DIM}"
     if mask is not None and mask.is_floating_point() and mask.dtype not in DTYPES:
         return f"a {mask.dtype} bias mask"
-    return None
+    return offsets_unfit(query=q, key=k, value=v, mask=mask)
 
 
 def reference(q, k, v, mask=None, alignment=None, scale=None, key_range=None, band=None):

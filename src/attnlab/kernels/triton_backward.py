@@ -53,7 +53,7 @@ def _dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
-    bk = tl.program_id(1)  # b * Hkv + hk
+    bk = tl.program_id(1).to(tl.int64)  # b * Hkv + hk; int64 base offsets
     b = bk // Hkv
     hk = bk % Hkv
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -78,7 +78,7 @@ def _dkdv_kernel(
     if BAND:  # rows i that may see a key of [n0, n0 + BLOCK_N): n0 - hi <= i + offset
         first = tl.maximum(n0 - offset - band_hi, 0) // BLOCK_M * BLOCK_M
         end = tl.minimum(n0 + BLOCK_N - 1 - offset - band_lo + 1, L)
-    for h in range(hk * G, hk * G + G):
+    for h in range(hk * G, hk * G + G):  # h int64, as hk
         for start in range(first, end, BLOCK_M):
             offs_m = start + tl.arange(0, BLOCK_M)
             row_ok = offs_m < L
@@ -95,12 +95,12 @@ def _dkdv_kernel(
                     s, M, b * smb + h * smh, offs_m, offs_n, sml, sms, r_lo, r_hi, offset, band_lo,
                     band_hi, BAND, MASK,
                 )  # fmt: skip
-                row = (b * H + h) * L + offs_m
-                lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-                delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+                row0 = (b * H + h) * L  # this head's first row, int64
+                lse = tl.load(LSE + row0 + offs_m, mask=row_ok, other=float("inf"))
+                delta = tl.load(DELTA + row0 + offs_m, mask=row_ok, other=0.0)
                 p = tl.exp(s - lse[:, None])  # (BLOCK_M, BLOCK_N), 0 where masked or dead
                 do = tl.load(
-                    DO + ((b * H + h) * L + offs_m[:, None]) * EV + offs_ev[None, :],
+                    DO + row0 * EV + offs_m[:, None] * EV + offs_ev[None, :],
                     mask=row_ok[:, None] & (offs_ev[None, :] < EV),
                     other=0.0,
                 )  # (BLOCK_M, BLOCK_EV): dO is made contiguous by the launcher
@@ -108,10 +108,10 @@ def _dkdv_kernel(
                 dp = _dot(do, tl.trans(v), DOT)  # (BLOCK_M, BLOCK_N)
                 ds = p * (dp - delta[:, None])
                 dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT)
-    out = (bk * S + offs_n)[:, None]  # dK, dV contiguous (B, Hkv, S, *)
-    tl.store(DK + out * E + offs_e[None, :], (dk * scale).to(DK.dtype.element_ty),
+    n = offs_n[:, None]  # dK, dV contiguous (B, Hkv, S, *)
+    tl.store(DK + bk * S * E + n * E + offs_e[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (offs_e[None, :] < E))  # fmt: skip
-    tl.store(DV + out * EV + offs_ev[None, :], dv.to(DV.dtype.element_ty),
+    tl.store(DV + bk * S * EV + n * EV + offs_ev[None, :], dv.to(DV.dtype.element_ty),
              mask=key_ok[:, None] & (offs_ev[None, :] < EV))  # fmt: skip
 
 
@@ -124,7 +124,7 @@ def _dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # int64 base offsets
     b = bh // H
     h = bh % H
     hk = h // G
@@ -138,7 +138,7 @@ def _dq_kernel(
         other=0.0,
     )
     do = tl.load(
-        DO + (bh * L + offs_m[:, None]) * EV + offs_ev[None, :],
+        DO + bh * L * EV + offs_m[:, None] * EV + offs_ev[None, :],
         mask=row_ok[:, None] & (offs_ev[None, :] < EV),
         other=0.0,
     )
@@ -170,7 +170,7 @@ def _dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, DOT)
     tl.store(
-        DQ + (bh * L + offs_m[:, None]) * E + offs_e[None, :],
+        DQ + bh * L * E + offs_m[:, None] * E + offs_e[None, :],
         (dq * scale).to(DQ.dtype.element_ty),
         mask=row_ok[:, None] & (offs_e[None, :] < E),
     )

@@ -57,13 +57,13 @@ def _decode_kernel(
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
 ):  # fmt: skip
     split = tl.program_id(0)
-    bk = tl.program_id(1)  # b * Hkv + hk
+    bk = tl.program_id(1).to(tl.int64)  # b * Hkv + hk; int64 base offsets
     b = bk // Hkv
     hk = bk % Hkv
     offs_r = tl.arange(0, BLOCK_R)
     R = G * L
     row_ok = offs_r < R
-    h = hk * G + offs_r // L  # (BLOCK_R,) query head of each row
+    h = hk * G + offs_r // L  # (BLOCK_R,) int64: query head of each row
     i = offs_r % L  # (BLOCK_R,) query position of each row
     offs_e = tl.arange(0, BLOCK_E)
     offs_ev = tl.arange(0, BLOCK_EV)
@@ -123,11 +123,11 @@ def _decode_kernel(
         )
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
         m_i = m_new
-    part = (bk * NSPLIT + split) * R + offs_r  # (B, Hkv, NSPLIT, R) partials
-    tl.store(MAX + part, m_i, mask=row_ok)
-    tl.store(SUM + part, l_i, mask=row_ok)
+    part = (bk * NSPLIT + split) * R  # (B, Hkv, NSPLIT, R) partials: this program's first row
+    tl.store(MAX + part + offs_r, m_i, mask=row_ok)
+    tl.store(SUM + part + offs_r, l_i, mask=row_ok)
     tl.store(
-        ACC + part[:, None] * EV + offs_ev[None, :],
+        ACC + part * EV + offs_r[:, None] * EV + offs_ev[None, :],
         acc,
         mask=row_ok[:, None] & (offs_ev[None, :] < EV),
     )
