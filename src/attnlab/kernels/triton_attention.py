@@ -248,16 +248,23 @@ def _dot_mode(dtype: torch.dtype) -> int:
     return 2 if INTERPRET else 0
 
 
-# GPU tiles per kernel: (16-bit inputs?, largest head dim) -> (BLOCK_M, BLOCK_N, warps, stages).
-# Chosen by compiling every kernel ahead of time for sm_90 (Triton 3.9 and its ptxas, no GPU at
-# hand) with a bool mask, key ranges and a band on, the heaviest case: the largest tiles that do
-# not spill registers and fit the H100's 227 KiB of shared memory. float32 and head dim 256 spill
-# at every size tried: they get the smallest tiles. To be confirmed by timing on an H100
-# (benchmarks/bench_gpu.py).
+# GPU tiles per kernel: (16-bit inputs?, head dim class) -> (BLOCK_M, BLOCK_N, warps, stages).
+# Chosen by compiling every kernel ahead of time for sm_90 (benchmarks/gpu_compile.py: Triton
+# 3.9 and its ptxas, no GPU at hand) with a bool mask, key ranges and a band on, the heaviest
+# case: the largest tiles that do not spill registers and fit the H100's 227 KiB of shared
+# memory. float32 products are IEEE (no tensor cores): its tiles are smaller, with 8 warps to
+# spread the registers (4 warps spilled 0.2-17 KiB per thread at 32 x 32). A test compiles them
+# all and fails on a spill. To be confirmed by timing on an H100 (benchmarks/bench_gpu.py).
 TILES = {
-    "forward": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3)},
-    "weights": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3)},
-    "backward": {(True, 64): (64, 32, 4, 2), (True, 128): (64, 32, 4, 2)},
+    "forward": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3),
+                (True, 256): (64, 32, 8, 2), (False, 64): (32, 32, 8, 2),
+                (False, 128): (16, 64, 8, 1), (False, 256): (32, 32, 8, 1)},
+    "weights": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3),
+                (True, 256): (128, 32, 8, 1), (False, 64): (128, 32, 8, 1),
+                (False, 128): (32, 32, 8, 2), (False, 256): (32, 32, 8, 2)},
+    "backward": {(True, 64): (64, 32, 4, 2), (True, 128): (64, 32, 4, 2),
+                 (True, 256): (32, 32, 8, 2), (False, 64): (32, 32, 8, 1),
+                 (False, 128): (16, 32, 8, 2), (False, 256): (32, 16, 8, 2)},
     "decode": {(True, 64): (0, 64, 4, 2), (True, 128): (0, 32, 4, 2), (False, 64): (0, 32, 4, 2),
                (False, 128): (0, 32, 4, 2)},
 }  # fmt: skip
