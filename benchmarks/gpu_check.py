@@ -6,12 +6,13 @@ compiled for a GPU they take other tile sizes and other code generation. Before 
 compares it with float64 on the CPU:
 
 * weights on demand (per head and averaged): float32 / bfloat16 / float16, GQA, both causal
-  alignments, bool masks with dead rows, float biases, head dims 32-128;
+  alignments, bool masks with dead rows, float biases, head dims 32-256;
 * masks kept as structure (padding lengths, packed documents, sliding windows), forward and
   forward+backward;
 * training without weights (the dK/dV and dQ kernels), GQA, causal, padding;
 * the split-key decode kernel (1 and 3 query rows against a long cache) with weights;
-* additive attention, forward and backward.
+* additive attention, forward and backward;
+* with two GPUs, kernels on ``cuda:1`` while ``cuda:0`` is current.
 
 Each result must be within twice the error of a control, the naive formula in the same dtype
 on the same device (plus a rounding floor), and each call must run on the Triton kernels
@@ -254,9 +255,11 @@ def main(argv=None) -> int:
         print("gpu_check: no CUDA device here (--smoke checks the script under the interpreter)")
         return 0
     wide = 128 if n > 100 else 32  # (the interpreter is slow at wide heads)
+    widest = 256 if n > 100 else 48
     weights = [  # ((B, H, Hkv, L, S, E, Ev), causal alignment, mask kind)
         ((2, 8, 2, n, n + 33, 64, 64), None, None),
         ((1, 4, 4, n + 43, n + 43, wide, wide), "top_left", None),
+        ((1, 2, 1, n // 2, n, widest, widest), "bottom_right", "bool"),
         ((2, 6, 3, n // 3, n + 100, 64, 32), "bottom_right", "bool"),
         ((2, 4, 2, n // 2, n, 32, 64), None, "float"),
     ]  # fmt: skip
@@ -266,6 +269,12 @@ def main(argv=None) -> int:
     check_training(device, training, dtypes)
     check_decode(device, 8 * n, dtypes)
     check_additive(device, n, dtypes[:2])
+    if device == "cuda" and torch.cuda.device_count() > 1:  # Triton launches on the current one
+        print("== on cuda:1 while cuda:0 is current (a model spread over GPUs) ==")
+        check_weights("cuda:1", weights[:1], dtypes[1:2])
+        check_training("cuda:1", training[:1], dtypes[1:2])
+    elif device == "cuda":
+        print("(one GPU: the case of tensors on a second GPU is not run)")
     print(f"\n{len(failures)} failure(s)" + "".join(f"\n  {f}" for f in failures))
     return 1 if failures else 0
 

@@ -211,7 +211,7 @@ def main(argv=None, cases=None) -> int:
         sys.exit("unset TRITON_INTERPRET: the kernels must be compiled, not interpreted")
     from attnlab.kernels import triton_decode as td
 
-    td._splits = lambda B, Hkv, S, block_n: min(3, -(-S // block_n))  # no device to ask
+    td._splits = lambda B, Hkv, S, block_n, device: min(3, -(-S // block_n))  # no device to ask
     dtypes = (torch.bfloat16, torch.float32) if args.quick else (torch.bfloat16, torch.float16,
                                                                  torch.float32)  # fmt: skip
     dims = (128,) if args.quick else (64, 128, 256)

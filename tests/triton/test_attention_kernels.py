@@ -120,7 +120,7 @@ def test_padding_as_key_ranges_equals_the_mask(side):
 @pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
 def test_decode_kernel_merges_its_splits_exactly(shape, mask_kind):
     B, H, Hkv, L, S, E, Ev = shape
-    assert td._splits(B, Hkv, S, 32) == 3  # the merge is crossed
+    assert td._splits(B, Hkv, S, 32, torch.device("cpu")) == 3  # the merge is crossed
     q, k, v = inputs(*shape)
     mask = make_mask(mask_kind, B, H, L, S)
     m = mask.float() if mask is not None and mask.is_floating_point() else mask

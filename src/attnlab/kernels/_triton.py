@@ -13,6 +13,7 @@ Triton at their top; import them only after :func:`unfit` returned None.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -42,6 +43,16 @@ def unfit(*tensors: torch.Tensor | None) -> str | None:
     if devices == {"cpu"}:
         return "CPU tensors (Triton kernels run on CUDA, or on CPU under TRITON_INTERPRET=1)"
     return f"tensors on {sorted(devices)}"
+
+
+def on_device(t: torch.Tensor):
+    """The context to launch a kernel on ``t``'s device in.
+
+    Triton launches on the *current* CUDA device, not on the tensors': a tensor on ``cuda:1``
+    while ``cuda:0`` is current (a model spread over two GPUs) would be refused ("cannot be
+    accessed from Triton") or read from the wrong device. Every launcher enters this first.
+    """
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def where() -> str:

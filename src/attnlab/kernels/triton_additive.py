@@ -346,13 +346,14 @@ class _AdditiveAttention(torch.autograd.Function):
             WIDEN=value.dtype == torch.bfloat16 and value.device.type == "cpu",
         )
         blk = tiling.forward
-        _fwd_kernel[(triton.cdiv(L, blk.rows), N)](
-            at, bt, w, value, m, out, lse,
-            L, S, A, DV, _offset(alignment, L, S),
-            *value.stride(), *m_strides,
-            **meta, BLOCK_L=blk.rows, BLOCK_S=blk.keys,
-            BLOCK_DV=max(16, triton.next_power_of_2(DV)), num_warps=blk.warps,
-        )  # fmt: skip
+        with _triton.on_device(value):
+            _fwd_kernel[(triton.cdiv(L, blk.rows), N)](
+                at, bt, w, value, m, out, lse,
+                L, S, A, DV, _offset(alignment, L, S),
+                *value.stride(), *m_strides,
+                **meta, BLOCK_L=blk.rows, BLOCK_S=blk.keys,
+                BLOCK_DV=max(16, triton.next_power_of_2(DV)), num_warps=blk.warps,
+            )  # fmt: skip
         ctx.save_for_backward(at, bt, w, value, m, out, lse)
         ctx.meta, ctx.tiling = meta, tiling
         ctx.m_strides, ctx.offset = m_strides, _offset(alignment, L, S)
@@ -371,14 +372,15 @@ class _AdditiveAttention(torch.autograd.Function):
         key_blocks = triton.cdiv(S, blk.keys)
         dw_parts = w.new_zeros(N, key_blocks, A)
         dvalue = value.new_zeros(N, S, DV, dtype=torch.float32)
-        _bwd_kernel[(key_blocks, N)](
-            at, bt, w, value, m, grad_out, lse, delta, dat, dbt, dw_parts, dvalue,
-            L, S, A, DV, ctx.offset,
-            *value.stride(), *ctx.m_strides,
-            **ctx.meta, BLOCK_L=blk.rows, BLOCK_S=blk.keys,
-            BLOCK_DV=min(max(16, triton.next_power_of_2(DV)), BACKWARD_VALUE_CHUNK),
-            num_warps=blk.warps,
-        )  # fmt: skip
+        with _triton.on_device(value):
+            _bwd_kernel[(key_blocks, N)](
+                at, bt, w, value, m, grad_out, lse, delta, dat, dbt, dw_parts, dvalue,
+                L, S, A, DV, ctx.offset,
+                *value.stride(), *ctx.m_strides,
+                **ctx.meta, BLOCK_L=blk.rows, BLOCK_S=blk.keys,
+                BLOCK_DV=min(max(16, triton.next_power_of_2(DV)), BACKWARD_VALUE_CHUNK),
+                num_warps=blk.warps,
+            )  # fmt: skip
         da = dat.transpose(1, 2)  # (N, A, L) -> (N, L, A)
         db = dbt.transpose(1, 2)  # (N, A, S) -> (N, S, A)
         return da, db, dw_parts.sum((0, 1)), dvalue.to(value.dtype), None, None, None

@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnlab.kernels import _triton
 from attnlab.kernels._triton import INTERPRET, offsets_unfit
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -361,14 +362,15 @@ def attention_forward(
     has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
     BM, BN, BE, BEV, warps, stages = _blocks(E, Ev, q.dtype, "forward")
     grid = (triton.cdiv(L, BM), B * H)
-    _forward_kernel[grid](
-        q, k, v, m, start, end, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *ms, srb, srl, *out.stride(),
-        H, H // Hkv, L, S, E, Ev, scale, offset, band_lo, band_hi,
-        BAND=has_band, MASK=kind, HAS_RANGE=has_range,
-        DOT=_dot_mode(q.dtype),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+    with _triton.on_device(q):
+        _forward_kernel[grid](
+            q, k, v, m, start, end, out, lse,
+            *q.stride(), *k.stride(), *v.stride(), *ms, srb, srl, *out.stride(),
+            H, H // Hkv, L, S, E, Ev, scale, offset, band_lo, band_hi,
+            BAND=has_band, MASK=kind, HAS_RANGE=has_range,
+            DOT=_dot_mode(q.dtype),
+            BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
     return out, lse
 
 
@@ -400,14 +402,15 @@ def attention_weights(
     has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
     BM, BN, BE, _, warps, stages = _blocks(E, E, q.dtype, "weights")
     grid = (triton.cdiv(L, BM), triton.cdiv(S, BN), B if average else B * H)
-    _weights_kernel[grid](
-        q, k, m, start, end, lse, out,
-        *q.stride(), *k.stride(), *ms, srb, srl,
-        H, H // Hkv, L, S, E, scale, offset, band_lo, band_hi,
-        BAND=has_band, MASK=kind, HAS_RANGE=has_range,
-        DOT=_dot_mode(q.dtype), AVERAGE=average,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+    with _triton.on_device(q):
+        _weights_kernel[grid](
+            q, k, m, start, end, lse, out,
+            *q.stride(), *k.stride(), *ms, srb, srl,
+            H, H // Hkv, L, S, E, scale, offset, band_lo, band_hi,
+            BAND=has_band, MASK=kind, HAS_RANGE=has_range,
+            DOT=_dot_mode(q.dtype), AVERAGE=average,
+            BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
     return out
 
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnlab.kernels import _triton
 from attnlab.kernels.triton_attention import (
     _allowed,
     _blocks,
@@ -194,14 +195,15 @@ def attention_backward(q, k, v, out, lse, grad_out, mask, alignment, scale, key_
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     strides = (*q.stride(), *k.stride(), *v.stride(), *ms, srb, srl)
-    _dkdv_kernel[(triton.cdiv(S, BN), B * Hkv)](
-        q, k, v, m, start, end, do, lse, delta, dk, dv, *strides,
-        H, Hkv, H // Hkv, L, S, E, Ev, scale, offset, band_lo, band_hi, **common,
-    )  # fmt: skip
-    _dq_kernel[(triton.cdiv(L, BM), B * H)](
-        q, k, v, m, start, end, do, lse, delta, dq, *strides,
-        H, H // Hkv, L, S, E, Ev, scale, offset, band_lo, band_hi, **common,
-    )  # fmt: skip
+    with _triton.on_device(q):
+        _dkdv_kernel[(triton.cdiv(S, BN), B * Hkv)](
+            q, k, v, m, start, end, do, lse, delta, dk, dv, *strides,
+            H, Hkv, H // Hkv, L, S, E, Ev, scale, offset, band_lo, band_hi, **common,
+        )  # fmt: skip
+        _dq_kernel[(triton.cdiv(L, BM), B * H)](
+            q, k, v, m, start, end, do, lse, delta, dq, *strides,
+            H, H // Hkv, L, S, E, Ev, scale, offset, band_lo, band_hi, **common,
+        )  # fmt: skip
     return dq, dk, dv
 
 

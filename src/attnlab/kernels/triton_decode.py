@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnlab.kernels import _triton
 from attnlab.kernels._triton import INTERPRET
 from attnlab.kernels.triton_attention import (
     _blocks,
@@ -133,12 +134,13 @@ def _decode_kernel(
     )
 
 
-def _splits(B: int, Hkv: int, S: int, block_n: int) -> int:
+def _splits(B: int, Hkv: int, S: int, block_n: int, device: torch.device) -> int:
     """How many chunks the keys are cut into: enough programs to fill the device (about two
     per streaming multiprocessor), never a chunk smaller than one key block."""
     if INTERPRET:
         return min(3, triton.cdiv(S, block_n))  # several splits, so tests cross the merge
-    wanted = triton.cdiv(2 * torch.cuda.get_device_properties(0).multi_processor_count, B * Hkv)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = triton.cdiv(2 * sms, B * Hkv)
     return max(1, min(wanted, triton.cdiv(S, block_n)))
 
 
@@ -173,7 +175,7 @@ def decode_attention(
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     BR = max(16, triton.next_power_of_2(G * L))
     _, BN, BE, BEV, warps, stages = _blocks(E, Ev, q.dtype, "decode")
-    nsplit = _splits(B, Hkv, S, BN)
+    nsplit = _splits(B, Hkv, S, BN, q.device)
     chunk = triton.cdiv(triton.cdiv(S, nsplit), BN) * BN
     nsplit = triton.cdiv(S, chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -184,14 +186,15 @@ def decode_attention(
     kind, m, ms = _mask_args(mask, q, S)
     has_range, start, end, srb, srl = _range_args(key_range, q)
     has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
-    _decode_kernel[(nsplit, B * Hkv)](
-        q, k, v, m, start, end, acc, mx, sm, scores,
-        *q.stride(), *k.stride(), *v.stride(), *ms, srb, srl,
-        H, Hkv, G, L, S, E, Ev, scale, offset, band_lo, band_hi, chunk, nsplit,
-        BAND=has_band, MASK=kind, HAS_RANGE=has_range,
-        SCORES=bool(return_weights), DOT=_dot_mode(q.dtype),
-        BLOCK_R=BR, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+    with _triton.on_device(q):
+        _decode_kernel[(nsplit, B * Hkv)](
+            q, k, v, m, start, end, acc, mx, sm, scores,
+            *q.stride(), *k.stride(), *v.stride(), *ms, srb, srl,
+            H, Hkv, G, L, S, E, Ev, scale, offset, band_lo, band_hi, chunk, nsplit,
+            BAND=has_band, MASK=kind, HAS_RANGE=has_range,
+            SCORES=bool(return_weights), DOT=_dot_mode(q.dtype),
+            BLOCK_R=BR, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
     # merge the splits by their log-sum-exp: (B, Hkv, nsplit, G*L, ...) -> (B, Hkv, G*L, ...)
     top = mx.amax(2, keepdim=True)
     top = top.masked_fill(top == float("-inf"), 0.0)
