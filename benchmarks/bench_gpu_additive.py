@@ -181,7 +181,7 @@ def sweep(args, shape: dict, dtype: torch.dtype, limit: float) -> None:
     v = torch.randn(B, S, D, device=args.device, generator=g).to(dtype)
     leaves = [t.requires_grad_() for t in (a, b, w, v)]
     grad = torch.randn(B, L, D, device=args.device, dtype=dtype)
-    default = K.tiling_for(torch.device(args.device), D)
+    default = K.tiling_for(D)
     tanh = B * L * S * A
     for direction in ("forward", "backward"):
         print(

@@ -12,7 +12,8 @@ and reports what each compiled kernel uses::
 
 Each kernel is compiled as the launchers configure it on a GPU (their tiles, ``TILES`` in
 :mod:`attnlab.kernels.triton_attention` and ``TILINGS`` in
-:mod:`attnlab.kernels.triton_additive`, float32 products in TF32x3 for additive attention), in
+:mod:`attnlab.kernels.triton_additive`, float32 products in TF32x3 for additive attention: the
+launchers decide by ``TRITON_INTERPRET``, unset here), in
 float32, bfloat16 and float16, for head dims 64, 128 and 256, with no mask, with the heaviest
 mix (a bool mask, key ranges and a band) and with a float bias. Exits 1 when a kernel does not
 compile, needs more shared memory than the target offers, or, on sm_90, spills registers (the
@@ -115,7 +116,6 @@ class CompileEveryLaunch:
     def __init__(self, arch: int):
         self.arch = arch
         self.records: list[tuple[str, object, dict]] = []
-        self.overrides: dict[str, object] = {}
 
     def __enter__(self):
         import triton.runtime.jit as jit
@@ -128,7 +128,6 @@ class CompileEveryLaunch:
 
         def compile_only(fn, grid):
             def launch(*args, **kwargs):
-                kwargs = {**kwargs, **{k: v for k, v in outer.overrides.items() if k in kwargs}}
                 kernel = fn.run(*args, grid=grid, warmup=True, **kwargs)
                 outer.records.append((fn.fn.__name__, kernel, kwargs))
                 return kernel
@@ -191,7 +190,7 @@ def additive_cases(dtypes):
             b = torch.zeros(N, S, A, requires_grad=True)
             w = torch.zeros(A, requires_grad=True)
             value = torch.zeros(N, S, DV, dtype=dtype, requires_grad=True)
-            tiling = tadd.tiling_for(torch.device("cuda"), DV)
+            tiling = tadd.tiling_for(DV)
             for label, mask in (("plain", None), ("bool", torch.ones(N, L, S, dtype=torch.bool))):
 
                 def run(mask=mask, a=a, b=b, w=w, value=value, tiling=tiling):
@@ -223,8 +222,6 @@ def main(argv=None, cases=None) -> int:
     print(f"sm_{args.arch}: compiling {len(cases)} configurations (shared memory: {limit:,} B)")
     for config, run in cases:
         with CompileEveryLaunch(args.arch) as launches:
-            # the additive launcher picks its product precision by device: the CUDA values
-            launches.overrides = {"PRECISION": "tf32x3", "WIDEN": False}
             try:
                 run()
             except Exception as e:  # a kernel that does not compile for the target

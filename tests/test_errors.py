@@ -124,6 +124,31 @@ def test_additive_bad_input():
         AF.additive_attention(q, k, v, w_q, w_k, w_s, t(5, 5, dtype=torch.bool))
 
 
+def test_tensors_on_another_device_are_refused_before_any_kernel():
+    """A mask or a weight on another device than the query (a model spread over GPUs) is named
+    with the fix; Triton would read another device's memory through its pointer. The meta
+    device stands in for a second GPU."""
+    other = torch.device("meta")
+    with pytest.raises(ValueError, match=r"attn_mask must be on the device .* cpu; got attn_mask "
+                       r"on meta\. Fix: .*\.to\('cpu'\)"):  # fmt: skip
+        AF.scaled_dot_product_attention(Q, K, V, torch.ones(5, 7, dtype=torch.bool, device=other))
+    with pytest.raises(ValueError, match="attn_mask must be on the device"):
+        AF.hard_attention(Q, K, V, attn_mask=torch.ones(5, 7, dtype=torch.bool, device=other))
+    with pytest.raises(ValueError, match="mask must be on the device"):
+        AF.masked_softmax(t(2, 5, 7), torch.ones(5, 7, dtype=torch.bool, device=other))
+    q, k, v = t(2, 3, 5), t(2, 4, 6), t(2, 4, 2)
+    w_q, w_k, w_s = t(8, 5), t(8, 6), t(8)
+    with pytest.raises(ValueError, match=r"query's device, cpu; got key on meta, w_key on meta\."):
+        AF.additive_attention(q, k.to(other), v, w_q, w_k.to(other), w_s)
+    with pytest.raises(ValueError, match="attn_mask must be on the device"):
+        AF.additive_attention(
+            q, k, v, w_q, w_k, w_s, torch.ones(3, 4, dtype=torch.bool, device=other)
+        )
+    from attnlab.kernels import _triton
+
+    assert "several devices" in _triton.unfit(t(1), t(1).to(other))
+
+
 def test_other_bad_input():
     with pytest.raises(ValueError, match=re.escape("weight must have shape (Eq, Ek) = (8, 8)")):
         AF.general_scores(t(2, 5, 8), t(2, 7, 8), t(8, 6))

@@ -41,3 +41,16 @@ def test_without_the_interpreter_cpu_tensors_keep_the_existing_paths():
     assert not _triton.INTERPRET
     reason = _triton.unfit(torch.zeros(1))
     assert reason is not None and "TRITON_INTERPRET" in reason
+
+
+def test_without_the_interpreter_additive_products_are_tf32x3_and_cuda_tiles():
+    """Compiled (no TRITON_INTERPRET), the additive kernels multiply float32 in TF32x3 and take
+    the CUDA tiles, whatever device a tensor reports: the interpreter's settings are its own."""
+    pytest.importorskip("triton", reason="pip install triton (the kernels extra)")
+    import torch
+
+    from attnlab.kernels import triton_additive as tadd
+
+    assert tadd.products(torch.bfloat16) == {"PRECISION": "tf32x3", "WIDEN": False}
+    assert tadd.tiling_for(64) == tadd.TILINGS["cuda"]
+    assert tadd.tiling_for(256) == tadd.TILINGS["cuda, wide values"]

@@ -168,12 +168,23 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_mask(attn_mask: torch.Tensor, target: tuple[int, ...], name: str = "attn_mask") -> None:
-    """Check that ``attn_mask`` is bool (True = may attend) or float (additive) and broadcasts."""
+def check_mask(
+    attn_mask: torch.Tensor,
+    target: tuple[int, ...],
+    name: str = "attn_mask",
+    device: torch.device | None = None,
+) -> None:
+    """Check that ``attn_mask`` is bool (True = may attend) or float (additive), broadcasts to
+    ``target`` and lies on ``device`` (the scores'), when given."""
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(
             f"{name} must be a torch.Tensor (bool: True = may attend, or float: additive bias); "
             f"got {type(attn_mask).__name__}."
+        )
+    if device is not None and attn_mask.device != device:
+        raise ValueError(
+            f"{name} must be on the device of the scores it masks, {device}; got {name} on "
+            f"{attn_mask.device}. Fix: build it there or move it with .to({str(device)!r})."
         )
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
         raise TypeError(

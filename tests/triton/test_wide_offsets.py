@@ -123,3 +123,15 @@ def test_a_head_whose_offsets_pass_int32_keeps_the_existing_path():
     assert why is not None and "query" in why and "2**31" in why
     d = attnlab.explain(tall, tall, tall, return_weights=True)
     assert d.path != "triton" and any("2**31" in r for r in d.reasons), d
+
+
+def test_contiguous_results_past_int32_per_head_keep_the_existing_path():
+    """out, dQ, dK, dV are contiguous (L or S, E or Ev) per head, addressed in int32 within it."""
+    long = torch.zeros(1, 1, 1, 256).expand(1, 1, 2**23 + 1, 256)  # stride 0: no memory
+    short = torch.zeros(1, 1, 4, 256)
+    why = ta.supports(long, short, short, None)
+    assert why is not None and "8388609 x 256" in why and "2**31" in why
+    assert ta.supports(short, long, long, None) is not None  # (S, Ev) of dK, dV
+    q = torch.zeros(1, 2**20, 4)
+    assert tadd.supports(q, q, q, None, A=4096) is not None  # (A, L) of the projections
+    assert tadd.supports(q, q, q, None, A=64) is None

@@ -249,10 +249,12 @@ def additive_attention(
         torch.Size([2, 3, 6])
     """
     _check_value(key, value)
+    _check_devices(query, key=key, value=value, w_query=w_query, w_key=w_key, w_score=w_score,
+                   bias=bias)  # fmt: skip
     # (is_cuda first: the CPU path pays ~0.1 us for the question, not unfit()'s ~5)
     if (query.is_cuda or _triton.INTERPRET) and _triton.unfit(query, key, value, attn_mask) is None:
         lead, alignment = _checked(query, key, w_query, w_key, w_score, bias, attn_mask, is_causal)
-        if _kernel_unfit(query, key, value, attn_mask, dropout_p, return_weights) is None:
+        if _kernel_unfit(query, key, value, w_score, attn_mask, dropout_p, return_weights) is None:
             out = _fused(
                 query, key, value, w_query, w_key, w_score, attn_mask, bias, lead, alignment
             )
@@ -261,7 +263,7 @@ def additive_attention(
     L, S = scores.shape[-2], scores.shape[-1]
     alignment = causal_alignment(is_causal, L, S)
     if attn_mask is not None:
-        check_mask(attn_mask, tuple(scores.shape))
+        check_mask(attn_mask, tuple(scores.shape), device=scores.device)
     mask = with_causal(attn_mask, alignment, L, S, scores.device)
     out, weights = attention(scores, value, mask, dropout_p=dropout_p, return_weights=True)
     # NaN/inf inputs propagate (docs/conventions.md)
@@ -295,9 +297,11 @@ def explain_additive(
         'chunked'
     """
     _check_value(key, value)
+    _check_devices(query, key=key, value=value, w_query=w_query, w_key=w_key, w_score=w_score,
+                   bias=bias)  # fmt: skip
     lead, alignment = _checked(query, key, w_query, w_key, w_score, bias, attn_mask, is_causal)
     why = _triton.unfit(query, key, value, attn_mask) or _kernel_unfit(
-        query, key, value, attn_mask, dropout_p, return_weights
+        query, key, value, w_score, attn_mask, dropout_p, return_weights
     )
     if why is None:
         from attnlab.kernels import triton_additive
@@ -326,6 +330,18 @@ def _check_value(key, value) -> None:
         )
 
 
+def _check_devices(query, **tensors) -> None:
+    """Every tensor of the call on query's device (the fused kernel would read another GPU's
+    memory through its pointer; torch's ops would fail mid-way with their own words)."""
+    wrong = {n: t.device for n, t in tensors.items() if t is not None and t.device != query.device}
+    if wrong:
+        where = ", ".join(f"{n} on {d}" for n, d in wrong.items())
+        raise ValueError(
+            f"additive attention: every tensor must be on query's device, {query.device}; got "
+            f"{where}. Fix: move them with .to(query.device)."
+        )
+
+
 def _checked(query, key, w_query, w_key, w_score, bias, attn_mask, is_causal):
     """The chunked path's checks, up front: (the broadcast leading dims, the causal alignment)."""
     for name, t in (("query", query), ("key", key), ("w_query", w_query), ("w_key", w_key)):
@@ -337,11 +353,11 @@ def _checked(query, key, w_query, w_key, w_score, bias, attn_mask, is_causal):
     L, S = query.shape[-2], key.shape[-2]
     alignment = causal_alignment(is_causal, L, S)
     if attn_mask is not None:
-        check_mask(attn_mask, (*lead, L, S))
+        check_mask(attn_mask, (*lead, L, S), device=query.device)
     return lead, alignment
 
 
-def _kernel_unfit(query, key, value, attn_mask, dropout_p, return_weights) -> str | None:
+def _kernel_unfit(query, key, value, w_score, attn_mask, dropout_p, return_weights) -> str | None:
     """None when the fused kernel serves a call whose tensors Triton can take, else why not."""
     if return_weights:
         return "return_weights=True: the kernel never forms the weights (this path returns them)"
@@ -351,7 +367,7 @@ def _kernel_unfit(query, key, value, attn_mask, dropout_p, return_weights) -> st
         return "under torch.compile (its graph keeps torch's ops)"
     from attnlab.kernels import triton_additive  # imports Triton: only now that it may run
 
-    return triton_additive.supports(query, key, value, attn_mask)
+    return triton_additive.supports(query, key, value, attn_mask, w_score.shape[0])
 
 
 def _fused(query, key, value, w_query, w_key, w_score, attn_mask, bias, lead, alignment):

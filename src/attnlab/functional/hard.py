@@ -81,7 +81,7 @@ def hard_attention_weights(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}; got {mode!r}.")
     if attn_mask is not None:
-        check_mask(attn_mask, tuple(scores.shape))
+        check_mask(attn_mask, tuple(scores.shape), device=scores.device)
     x = scores.float() if scores.dtype in LOW_PRECISION else scores
     x = apply_mask(x, attn_mask)  # masked keys -> -inf, never chosen
     if mode == "topk":
@@ -143,7 +143,7 @@ def hard_attention(
     L, S = query.shape[-2], key.shape[-2]
     alignment = causal_alignment(is_causal, L, S)
     if attn_mask is not None:
-        check_mask(attn_mask, (*query.shape[:-2], L, S))
+        check_mask(attn_mask, (*query.shape[:-2], L, S), device=query.device)
         attn_mask = plain(attn_mask)
     q, k, v, mask, restore = as_4d(query, key, value, attn_mask)
     if noise is not None:

@@ -372,7 +372,7 @@ def attention_with(
     alignment = causal_alignment(is_causal, L, S)
     if attn_mask is not None:
         scores_shape = (*query.shape[:-2], L, S)
-        check_mask(attn_mask, scores_shape)
+        check_mask(attn_mask, scores_shape, device=query.device)
         check_bias_range(attn_mask, query.dtype)
     structure = _triton.structure_of(attn_mask, query, key)  # padding as lengths, windows
     if attn_mask is not None:

@@ -55,7 +55,7 @@ def masked_softmax(
                 [0.0000, 0.0000, 0.0000]])
     """
     if mask is not None:
-        check_mask(mask, tuple(scores.shape), name="mask")
+        check_mask(mask, tuple(scores.shape), name="mask", device=scores.device)
     x = scores.float() if scores.dtype in LOW_PRECISION else scores
     x = apply_mask(x, mask)
     # A row with no attendable key would be softmax([-inf, ...]) = NaN. Give it finite dummy
@@ -112,7 +112,7 @@ def attention(
             f"scores {tuple(scores.shape)} and value {tuple(value.shape)}."
         )
     if attn_mask is not None:
-        check_mask(attn_mask, tuple(scores.shape))
+        check_mask(attn_mask, tuple(scores.shape), device=scores.device)
     weights = masked_softmax(scores, attn_mask)
     if dropout_p > 0:
         weights = torch.nn.functional.dropout(weights, dropout_p)

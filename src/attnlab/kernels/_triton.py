@@ -35,7 +35,10 @@ def unfit(*tensors: torch.Tensor | None) -> str | None:
     """None when a Triton kernel can run on these tensors, else why not (for ``explain()``)."""
     if not installed():
         return "Triton is not installed (pip install triton)"
-    devices = {t.device.type for t in tensors if t is not None}
+    present = [t.device for t in tensors if t is not None]
+    if len(set(present)) > 1:  # (the checks raise before this, for the public calls)
+        return f"tensors on several devices ({', '.join(map(str, present))})"
+    devices = {d.type for d in present}
     if devices == {"cuda"}:
         return None
     if devices == {"cpu"} and INTERPRET:

@@ -82,6 +82,7 @@ from torch.autograd.function import once_differentiable
 
 from attnlab._checks import broadcast_shapes
 from attnlab.kernels import _triton
+from attnlab.kernels.triton_attention import _program
 
 TWO_LOG2E = 2.0 / math.log(2.0)  # tanh(x) = 1 - 2 / (exp2(TWO_LOG2E * x) + 1)
 EXP2_CAP = tl.constexpr(64.0)  # exp2's argument is capped (tanh is 1.0 in float32 from 26 on)
@@ -121,8 +122,10 @@ TILINGS = {
 }
 
 
-def tiling_for(device: torch.device, value_dim: int) -> Tiling:
-    if device.type == "cpu":
+def tiling_for(value_dim: int) -> Tiling:
+    """The tiles of a call: the interpreter's whenever it runs the kernels (CPU tensors, or CUDA
+    tensors under ``TRITON_INTERPRET=1``), else CUDA's for values this wide."""
+    if _triton.INTERPRET:
         return TILINGS["interpreter"]
     return TILINGS["cuda, wide values"] if value_dim > WIDE_VALUE else TILINGS["cuda"]
 
@@ -204,8 +207,8 @@ def _fwd_kernel(
     MASK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
-    i0 = tl.program_id(0) * BLOCK_L
-    n = tl.program_id(1).to(tl.int64)
+    pid_l, n = _program(tl.cdiv(L, BLOCK_L))  # n int64: base offsets
+    i0 = pid_l * BLOCK_L
     rows = i0 + tl.arange(0, BLOCK_L)
     dv = tl.arange(0, BLOCK_DV)
     a_ptr, b_ptr = AT + n * A * L, BT + n * A * S
@@ -252,14 +255,14 @@ def _bwd_kernel(
     MASK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
-    pid_s = tl.program_id(0)
+    key_blocks = tl.cdiv(S, BLOCK_S)
+    pid_s, n = _program(key_blocks)  # n int64: base offsets
     j0 = pid_s * BLOCK_S
-    n = tl.program_id(1).to(tl.int64)
     cols = j0 + tl.arange(0, BLOCK_S)
     col_ok = cols < S
     a_ptr, b_ptr = AT + n * A * L, BT + n * A * S
     da_ptr, db_ptr = DAT + n * A * L, DBT + n * A * S
-    dw_ptr = DWP + (n * tl.num_programs(0) + pid_s) * A  # this program's row of dw partials
+    dw_ptr = DWP + (n * key_blocks + pid_s) * A  # this program's row of dw partials
     v_ptr, m_ptr = V + n * svn, M + n * smn
 
     first = 0
@@ -328,6 +331,16 @@ def _offset(alignment: str | None, L: int, S: int) -> int:
     return S - L if alignment == "bottom_right" else 0
 
 
+def products(dtype: torch.dtype) -> dict:
+    """The kernels' matrix-product settings (see ``_dot``): compiled, TF32x3 (float32 accuracy on
+    tensor cores); interpreted, IEEE, with bfloat16 widened to float32. Decided by
+    ``TRITON_INTERPRET``, not by the tensors' device: the interpreter runs CUDA tensors too."""
+    interpret = _triton.INTERPRET
+    return dict(
+        PRECISION="ieee" if interpret else "tf32x3", WIDEN=interpret and dtype == torch.bfloat16
+    )
+
+
 class _AdditiveAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, w, value, mask, alignment, tiling):
@@ -339,15 +352,10 @@ class _AdditiveAttention(torch.autograd.Function):
         kind, m, m_strides = _mask_args(mask, a.device)
         out = value.new_empty(N, L, DV)
         lse = a.new_empty(N, L)
-        meta = dict(
-            MASK=kind,
-            CAUSAL=alignment is not None,
-            PRECISION="tf32x3" if value.is_cuda else "ieee",
-            WIDEN=value.dtype == torch.bfloat16 and value.device.type == "cpu",
-        )
+        meta = dict(MASK=kind, CAUSAL=alignment is not None, **products(value.dtype))
         blk = tiling.forward
         with _triton.on_device(value):
-            _fwd_kernel[(triton.cdiv(L, blk.rows), N)](
+            _fwd_kernel[(triton.cdiv(L, blk.rows) * N,)](
                 at, bt, w, value, m, out, lse,
                 L, S, A, DV, _offset(alignment, L, S),
                 *value.stride(), *m_strides,
@@ -373,7 +381,7 @@ class _AdditiveAttention(torch.autograd.Function):
         dw_parts = w.new_zeros(N, key_blocks, A)
         dvalue = value.new_zeros(N, S, DV, dtype=torch.float32)
         with _triton.on_device(value):
-            _bwd_kernel[(key_blocks, N)](
+            _bwd_kernel[(key_blocks * N,)](
                 at, bt, w, value, m, grad_out, lse, delta, dat, dbt, dw_parts, dvalue,
                 L, S, A, DV, ctx.offset,
                 *value.stride(), *ctx.m_strides,
@@ -405,21 +413,21 @@ def additive_attention(
         mask: None, bool (True = may attend) or a float bias without gradient, of shape
             (N, L, S) -- an expanded view is read in place through its (zero) strides.
         alignment: None, "top_left" or "bottom_right" causal (see :mod:`attnlab.masks`).
-        tiling: tile sizes; :func:`tiling_for` the device and Dv by default.
+        tiling: tile sizes; :func:`tiling_for` Dv by default.
 
     Differentiable in ``a``, ``b``, ``w`` and ``value``. Call :func:`supports` first.
     """
-    tiling = tiling or tiling_for(a.device, value.shape[-1])
+    tiling = tiling or tiling_for(value.shape[-1])
     return _AdditiveAttention.apply(
         a.contiguous(), b.contiguous(), w, value.contiguous(), mask, alignment, tiling
     )
 
 
-def supports(query, key, value, attn_mask) -> str | None:
+def supports(query, key, value, attn_mask, A: int = 1) -> str | None:
     """None if the fused kernel serves these (user-facing) inputs, else a one-line reason.
 
     ``query`` (..., L, Dq), ``key`` (..., S, Dk), ``value`` (..., S, Dv), ``attn_mask``
-    broadcastable to (..., L, S), already checked by the caller.
+    broadcastable to (..., L, S), already checked by the caller; ``A`` the attention width.
     """
     if query.dtype not in DTYPES:
         return f"{query.dtype}: the kernel takes float32, bfloat16 and float16"
@@ -436,12 +444,15 @@ def supports(query, key, value, attn_mask) -> str | None:
         return f"value's leading dims {tuple(value.shape[:-2])} do not broadcast to {tuple(lead)}"
     if attn_mask is not None and attn_mask.requires_grad:
         return "a float mask that requires grad: the kernel gives no gradient for the mask"
+    rows = max(query.shape[-2], key.shape[-2])
+    if rows * max(A, value.shape[-1]) > _triton.INT32_MAX + 1:  # (A, L), (L, Dv) per batch row
+        return f"{rows} rows x {max(A, value.shape[-1])} per batch row: past 32-bit offsets"
     return _triton.offsets_unfit(value=value, attn_mask=attn_mask)
 
 
 def describe(query, key, value, w_score) -> str:
     """The kernel and its tiling in one line (for ``explain_additive()``)."""
-    fwd = tiling_for(query.device, value.shape[-1]).forward
+    fwd = tiling_for(value.shape[-1]).forward
     return (
         f"fused additive kernel, {_triton.where()}: tiles of {fwd.rows} query rows x {fwd.keys} "
         f"keys, A={w_score.shape[0]} tanh per score, online softmax; saves the row log-sum-exp, "

@@ -50,10 +50,22 @@ import triton
 import triton.language as tl
 
 from attnlab.kernels import _triton
-from attnlab.kernels._triton import INTERPRET, offsets_unfit
+from attnlab.kernels._triton import INT32_MAX, INTERPRET, offsets_unfit
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _program(inner):
+    """(index along the inner axis, outer index as int64) of this program in a 1-D grid of
+    ``inner * outer`` programs, the inner index running fastest.
+
+    CUDA caps a grid's y and z at 65,535 blocks (x at 2**31 - 1): B * H on axis 1 would refuse
+    65,536 heads in all (windows folded into the batch), so every kernel's grid is 1-D.
+    """
+    pid = tl.program_id(0)
+    return pid % inner, (pid // inner).to(tl.int64)
 
 
 @triton.jit
@@ -138,8 +150,7 @@ def _forward_kernel(
     BAND: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)  # int64 base offsets (see "Offsets" above)
+    pid_m, bh = _program(tl.cdiv(L, BLOCK_M))  # bh int64: base offsets (see "Offsets" above)
     b = bh // H
     h = bh % H
     hk = h // G  # the GQA mapping: query head h reads kv head h // G
@@ -181,7 +192,7 @@ def _forward_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
         m_i = m_new
 
-    alive = l_i > 0
+    alive = (l_i > 0) | (l_i != l_i)  # a row with a key, or NaN (a NaN or +inf bias): not dead
     out = tl.where(alive[:, None], acc / tl.where(alive, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(alive, m_i + tl.log(tl.where(alive, l_i, 1.0)), float("inf"))
     row_ok = offs_m < L
@@ -203,9 +214,9 @@ def _weights_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_M, BLOCK_N) tile of weights: of head h, or averaged over the H heads."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    bh = tl.program_id(2).to(tl.int64)  # b * H + h, or b when AVERAGE; int64 base offsets
+    blocks_m, blocks_n = tl.cdiv(L, BLOCK_M), tl.cdiv(S, BLOCK_N)
+    pid_mn, bh = _program(blocks_m * blocks_n)  # bh = b * H + h, or b when AVERAGE; int64
+    pid_m, pid_n = pid_mn % blocks_m, pid_mn // blocks_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_e = tl.arange(0, BLOCK_E)
@@ -259,13 +270,13 @@ def _dot_mode(dtype: torch.dtype) -> int:
 TILES = {
     "forward": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3),
                 (True, 256): (64, 32, 8, 2), (False, 64): (32, 32, 8, 2),
-                (False, 128): (16, 64, 8, 1), (False, 256): (32, 32, 8, 1)},
+                (False, 128): (16, 64, 8, 1), (False, 256): (32, 16, 8, 1)},
     "weights": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3),
                 (True, 256): (128, 32, 8, 1), (False, 64): (128, 32, 8, 1),
                 (False, 128): (32, 32, 8, 2), (False, 256): (32, 32, 8, 2)},
     "backward": {(True, 64): (64, 32, 4, 2), (True, 128): (64, 32, 4, 2),
-                 (True, 256): (32, 32, 8, 2), (False, 64): (32, 32, 8, 1),
-                 (False, 128): (16, 32, 8, 2), (False, 256): (32, 16, 8, 2)},
+                 (True, 256): (16, 32, 8, 2), (False, 64): (32, 32, 8, 2),
+                 (False, 128): (16, 32, 8, 2), (False, 256): (32, 16, 8, 1)},
     "decode": {(True, 64): (0, 64, 4, 2), (True, 128): (0, 32, 4, 2), (False, 64): (0, 32, 4, 2),
                (False, 128): (0, 32, 4, 2)},
 }  # fmt: skip
@@ -361,7 +372,7 @@ def attention_forward(
     has_range, start, end, srb, srl = _range_args(key_range, q)
     has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
     BM, BN, BE, BEV, warps, stages = _blocks(E, Ev, q.dtype, "forward")
-    grid = (triton.cdiv(L, BM), B * H)
+    grid = (triton.cdiv(L, BM) * B * H,)  # 1-D (see _program)
     with _triton.on_device(q):
         _forward_kernel[grid](
             q, k, v, m, start, end, out, lse,
@@ -401,7 +412,7 @@ def attention_weights(
     has_range, start, end, srb, srl = _range_args(key_range, q)
     has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
     BM, BN, BE, _, warps, stages = _blocks(E, E, q.dtype, "weights")
-    grid = (triton.cdiv(L, BM), triton.cdiv(S, BN), B if average else B * H)
+    grid = (triton.cdiv(L, BM) * triton.cdiv(S, BN) * (B if average else B * H),)
     with _triton.on_device(q):
         _weights_kernel[grid](
             q, k, m, start, end, lse, out,
@@ -422,6 +433,9 @@ def supports(q, k, v, mask) -> str | None:
         return f"head dim {max(q.shape[-1], v.shape[-1])} > {MAX_HEAD_DIM}"
     if mask is not None and mask.is_floating_point() and mask.dtype not in DTYPES:
         return f"a {mask.dtype} bias mask"
+    rows, width = max(q.shape[-2], k.shape[-2]), max(q.shape[-1], v.shape[-1])
+    if rows * width > INT32_MAX + 1:  # the contiguous out, dO, dQ, dK, dV of one head
+        return f"{rows} x {width} elements per head: past the kernels' 32-bit offsets (2**31)"
     return offsets_unfit(query=q, key=k, value=v, mask=mask)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from attnlab.kernels import _triton
 from attnlab.kernels.triton_attention import (
@@ -37,6 +38,7 @@ from attnlab.kernels.triton_attention import (
     _dot,
     _dot_mode,
     _mask_args,
+    _program,
     _range_args,
     _rows,
     _span,
@@ -53,8 +55,7 @@ def _dkdv_kernel(
     BAND: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    bk = tl.program_id(1).to(tl.int64)  # b * Hkv + hk; int64 base offsets
+    pid_n, bk = _program(tl.cdiv(S, BLOCK_N))  # bk = b * Hkv + hk, int64: base offsets
     b = bk // Hkv
     hk = bk % Hkv
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,8 +125,7 @@ def _dq_kernel(
     BAND: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)  # int64 base offsets
+    pid_m, bh = _program(tl.cdiv(L, BLOCK_M))  # bh int64: base offsets
     b = bh // H
     h = bh % H
     hk = h // G
@@ -196,11 +196,11 @@ def attention_backward(q, k, v, out, lse, grad_out, mask, alignment, scale, key_
     )  # fmt: skip
     strides = (*q.stride(), *k.stride(), *v.stride(), *ms, srb, srl)
     with _triton.on_device(q):
-        _dkdv_kernel[(triton.cdiv(S, BN), B * Hkv)](
+        _dkdv_kernel[(triton.cdiv(S, BN) * B * Hkv,)](
             q, k, v, m, start, end, do, lse, delta, dk, dv, *strides,
             H, Hkv, H // Hkv, L, S, E, Ev, scale, offset, band_lo, band_hi, **common,
         )  # fmt: skip
-        _dq_kernel[(triton.cdiv(L, BM), B * H)](
+        _dq_kernel[(triton.cdiv(L, BM) * B * H,)](
             q, k, v, m, start, end, do, lse, delta, dq, *strides,
             H, H // Hkv, L, S, E, Ev, scale, offset, band_lo, band_hi, **common,
         )  # fmt: skip
@@ -220,6 +220,7 @@ class TritonAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients carry no graph: a second derivative raises
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = attention_backward(q, k, v, out, lse, grad_out, *ctx.args)

@@ -41,6 +41,7 @@ from attnlab.kernels.triton_attention import (
     _dot,
     _dot_mode,
     _mask_args,
+    _program,
     _range_args,
     band_args,
 )
@@ -57,8 +58,7 @@ def _decode_kernel(
     DOT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
 ):  # fmt: skip
-    split = tl.program_id(0)
-    bk = tl.program_id(1).to(tl.int64)  # b * Hkv + hk; int64 base offsets
+    split, bk = _program(NSPLIT)  # bk = b * Hkv + hk, int64: base offsets
     b = bk // Hkv
     hk = bk % Hkv
     offs_r = tl.arange(0, BLOCK_R)
@@ -187,7 +187,7 @@ def decode_attention(
     has_range, start, end, srb, srl = _range_args(key_range, q)
     has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
     with _triton.on_device(q):
-        _decode_kernel[(nsplit, B * Hkv)](
+        _decode_kernel[(nsplit * B * Hkv,)](
             q, k, v, m, start, end, acc, mx, sm, scores,
             *q.stride(), *k.stride(), *v.stride(), *ms, srb, srl,
             H, Hkv, G, L, S, E, Ev, scale, offset, band_lo, band_hi, chunk, nsplit,
