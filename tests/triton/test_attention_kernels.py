@@ -217,6 +217,33 @@ def test_nan_inputs_still_propagate_through_the_kernels():
     assert not out[0, 0].isnan().any() and not out[0, 1, 4].isnan().any()
 
 
+@pytest.mark.parametrize("where", ["query", "key", "value"])
+@pytest.mark.parametrize("average", [False, True])
+def test_nan_rows_come_from_the_weights_kernel_as_the_oracle_says(where, average, monkeypatch):
+    """The two-pass weights path makes the NaN rule's rows NaN through the log-sum-exp (the
+    kernel writes them), not by a second pass over the weights: same rows as the oracle."""
+    from attnlab.functional import sdpa
+
+    def second_pass(*args, **kwargs):
+        raise AssertionError("the weights were filled in a second pass")
+
+    monkeypatch.setattr(sdpa, "propagate_nonfinite", second_pass)
+    q, k, v = inputs(2, 4, 2, 40, 57, 8, 8)  # G * L = 80 rows: not a decode step
+    t = {"query": q, "key": k, "value": v}[where]
+    t[1, 1, 5, 2] = float("nan") if where != "value" else float("inf")
+    pad = masks.padding_mask([57, 20])
+    bool_mask = pad.as_subclass(torch.Tensor).clone()
+    mode = "average" if average else True
+    assert attnlab.explain(q, k, v, bool_mask, return_weights=mode).path == "triton"
+    out, w = attnlab.scaled_dot_product_attention(q, k, v, bool_mask, return_weights=mode)
+    ref_out, ref_w = oracle(q, k, v, bool_mask, None)
+    ref_w = ref_w.mean(1) if average else ref_w  # (B, L, S) for 4-D inputs
+    assert (out.isnan().numpy() == np.isnan(ref_out)).all()
+    assert (w.isnan().numpy() == np.isnan(ref_w)).all() and w.isnan().any()
+    finite = ~np.isnan(ref_w)
+    assert abs(w.numpy()[finite] - ref_w[finite]).max() < 1e-6
+
+
 # --- masks kept as structure: packed documents and sliding windows -------------------------
 
 

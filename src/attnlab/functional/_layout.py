@@ -110,18 +110,26 @@ def propagate_nonfinite(query, key, value, out, weights=None, kv_finite=None):
     it, only the query is screened: a decode step against a cache reads the cache once, for
     attention itself).
     """
+    bad = rows_to_fill(query, key, value, kv_finite)
+    if bad is None:
+        return out, weights
+    out = _fill_nan(out, bad)
+    if weights is not None:
+        weights = _fill_nan(weights, bad.any(-3, keepdim=True) if weights.shape[-3] == 1 else bad)
+    return out, weights
+
+
+def rows_to_fill(query, key, value, kv_finite=None) -> torch.Tensor | None:
+    """:func:`nonfinite_rows`, or None where an eager CPU screen finds every input finite (see
+    :func:`propagate_nonfinite`): the rows a path must make NaN."""
     if query.is_cpu and not torch.compiler.is_compiling():
         if kv_finite is not None:  # the caller vouched for K and V: screen the query only
             clean = all_finite(query) and bool(kv_finite.all())
         else:
             clean = all_finite(query, key, value)
         if clean:
-            return out, weights
-    bad = nonfinite_rows(query, key, value, kv_finite)
-    out = _fill_nan(out, bad)
-    if weights is not None:
-        weights = _fill_nan(weights, bad.any(-3, keepdim=True) if weights.shape[-3] == 1 else bad)
-    return out, weights
+            return None
+    return nonfinite_rows(query, key, value, kv_finite)
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:

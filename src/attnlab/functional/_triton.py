@@ -103,8 +103,18 @@ def _decode_fits(q, k) -> bool:
     return triton_decode.supports(q, k, None, None) is None and q.shape[2] < k.shape[2]
 
 
-def run(q, k, v, mask, alignment, scale, return_weights, structure=(None, None), buffer=None):
-    """out (B, H, L, Ev) and weights (B, H or 1, L, S) or None, by the Triton kernels."""
+def run(
+    q, k, v, mask, alignment, scale, return_weights, structure=(None, None), buffer=None,
+    kv_finite=None,
+):  # fmt: skip
+    """out (B, H, L, Ev), weights (B, H or 1, L, S) or None, and whether the NaN rule was
+    applied already (else the caller applies it), by the Triton kernels.
+
+    Weights by the second kernel: rows that a NaN or an inf reaches (the NaN rule,
+    :func:`attnlab.functional._layout.nonfinite_rows`) get a NaN log-sum-exp first, so that
+    the kernel writes them NaN itself: no second pass over the (B, H, L, S) weights.
+    """
+    from attnlab.functional._layout import _fill_nan, rows_to_fill
     from attnlab.kernels import triton_attention, triton_decode
 
     key_range, band = structure
@@ -113,19 +123,22 @@ def run(q, k, v, mask, alignment, scale, return_weights, structure=(None, None),
     if not return_weights and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         from attnlab.kernels.triton_backward import TritonAttention
 
-        return TritonAttention.apply(q, k, v, mask, alignment, scale, key_range, band), None
+        return TritonAttention.apply(q, k, v, mask, alignment, scale, key_range, band), None, False
     if return_weights and _decode_fits(q, k):
         out, weights = triton_decode.decode_attention(
             q, k, v, mask, alignment, scale, key_range, return_weights, band
         )
         if buffer is not None:
             weights = buffer.copy_(weights)
-        return out, weights
+        return out, weights, False
     out, lse = triton_attention.attention_forward(q, k, v, mask, alignment, scale, key_range, band)
     if not return_weights:
-        return out, None
+        return out, None, False
+    bad = rows_to_fill(q, k, v, kv_finite)  # (B, H, L, 1) or None
+    if bad is not None:
+        out, lse = _fill_nan(out, bad), lse.masked_fill(bad[..., 0], float("nan"))
     average = return_weights == "average"
     weights = triton_attention.attention_weights(
         q, k, lse, mask, alignment, scale, key_range, average, buffer, band
     )
-    return out, weights
+    return out, weights, True

@@ -398,12 +398,12 @@ def attention_with(
     if log:
         logger.debug("scaled_dot_product_attention %s", decision)  # (dynamo cannot trace logging)
 
-    weights = None
+    weights, screened = None, False
     if decision.path == "fused":
         out = _fused(q, k, v, mask, alignment, scale, dropout_p)
     elif decision.path == "triton":
-        out, weights = _triton.run(
-            q, k, v, mask, alignment, scale, return_weights, structure, buffer
+        out, weights, screened = _triton.run(
+            q, k, v, mask, alignment, scale, return_weights, structure, buffer, kv_finite
         )
     elif decision.path == "cpu_flash":
         out = kernels.flash_attention(q, k, v, mask, alignment, scale, dropout_p)
@@ -420,7 +420,9 @@ def attention_with(
         if return_weights == "average":
             weights = weights.mean(1, keepdim=True)
     # NaN/inf in the inputs propagate (no path may turn them into numbers): see nonfinite_rows
-    out, weights = propagate_nonfinite(q, k, v, out, weights if return_weights else None, kv_finite)
+    if not screened:
+        weights = weights if return_weights else None
+        out, weights = propagate_nonfinite(q, k, v, out, weights, kv_finite)
     if buffer is not None:
         if weights is not buffer:  # (an empty dimension took the eager path)
             buffer.copy_(weights)
