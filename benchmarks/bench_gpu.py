@@ -142,13 +142,31 @@ def bench_weights(args) -> None:
         )
 
 
+_FLEX = {}  # one compiled flex_attention for every shape (static shapes, no automatic dynamic)
+
+
 def flex_case(q, k, v, lengths, causal):
-    """FlexAttention with a block mask built from the lengths (the peer), or why not."""
+    """FlexAttention with a block mask built from the lengths (the peer), or why not.
+
+    Compiled once with static shapes: each configuration is its own graph, and dynamo's
+    recompile limit is raised for them (at the default 8, the later shapes fell back to
+    flex's unfused eager path, a peer measured under other conditions). The probe runs the
+    backward too when the inputs take gradients, so that a failure there is reported here
+    instead of ending the benchmark.
+    """
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError as e:
         return None, f"FlexAttention unavailable ({e})"
     B, H, L, _ = q.shape
+    if "fn" not in _FLEX:
+        import torch._dynamo
+
+        for limit in ("recompile_limit", "cache_size_limit"):  # (the name changed in torch 2.6)
+            if hasattr(torch._dynamo.config, limit):
+                setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    flex = _FLEX["fn"]
 
     def mask_mod(b, h, q_idx, kv_idx):
         keep = kv_idx < lengths[b]
@@ -156,8 +174,10 @@ def flex_case(q, k, v, lengths, causal):
 
     try:
         block = create_block_mask(mask_mod, B, None, L, L, device=q.device)
-        flex = torch.compile(flex_attention)
-        flex(q, k, v, block_mask=block)
+        out = flex(q, k, v, block_mask=block)
+        if q.requires_grad:
+            out.backward(torch.randn_like(out))
+            q.grad = k.grad = v.grad = None
     except Exception as e:  # noqa: BLE001 (a peer that cannot run here is reported, not fatal)
         return None, f"FlexAttention failed here: {type(e).__name__}: {str(e)[:120]}"
     return (lambda: flex(q, k, v, block_mask=block)), None
@@ -178,6 +198,7 @@ def bench_padding(args) -> None:
                 is_causal = "top_left" if causal else False
                 grad = torch.randn_like(q)
                 path = attnlab.explain(q, k, v, pad, is_causal=is_causal).path
+                dense_mask = dense & _tril(L, causal, q.device)  # built once, not timed
 
                 def step(fn):
                     if not train:
@@ -194,9 +215,7 @@ def bench_padding(args) -> None:
                         )
                     ),
                     "SDPA, dense (B,1,1,S) mask": lambda: step(
-                        lambda: F.scaled_dot_product_attention(
-                            q, k, v, dense & _tril(L, causal, q.device)
-                        )
+                        lambda: F.scaled_dot_product_attention(q, k, v, dense_mask)
                     ),
                 }
                 flex, why = flex_case(q, k, v, lengths, causal)

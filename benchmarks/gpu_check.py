@@ -25,7 +25,9 @@ on the same device (plus a rounding floor), and each call must run on the Triton
 from __future__ import annotations
 
 import argparse
+import platform
 import sys
+import traceback
 
 import torch
 
@@ -242,15 +244,37 @@ def _naive_additive(q, k, v, w_q, w_k, w, causal):
     return torch.softmax(s, -1) @ v
 
 
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def section(check, *args) -> None:
+    """Run one ``check_*``; an exception there (a kernel that does not compile on this GPU, out
+    of memory) is a failure with its traceback, and the later sections still run."""
+    try:
+        check(*args)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        failures.append(f"{check.__name__} raised {type(e).__name__}: {str(e)[:300]}")
+        print(f"  FAIL {failures[-1]}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
+    versions = f"torch {torch.__version__}, triton {_version('triton')}"
+    print(f"{versions}, python {platform.python_version()}")
     if args.smoke:  # (the interpreter runs a tile at a time: small and float32 only)
         device, n, dtypes = "cpu", 24, [torch.float32]
     elif torch.cuda.is_available():
         device, n, dtypes = "cuda", 300, [torch.float32, torch.bfloat16, torch.float16]
-        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+        print(f"device: {torch.cuda.get_device_name()}")
     else:
         print("gpu_check: no CUDA device here (--smoke checks the script under the interpreter)")
         return 0
@@ -263,16 +287,16 @@ def main(argv=None) -> int:
         ((2, 6, 3, n // 3, n + 100, 64, 32), "bottom_right", "bool"),
         ((2, 4, 2, n // 2, n, 32, 64), None, "float"),
     ]  # fmt: skip
-    check_weights(device, weights, dtypes)
-    check_structure(device, n, dtypes)
+    section(check_weights, device, weights, dtypes)
+    section(check_structure, device, n, dtypes)
     training = [((2, 8, 2, n, n, 64, 64), "top_left"), ((2, 4, 1, n // 2, n + 50, 64, 64), None)]
-    check_training(device, training, dtypes)
-    check_decode(device, 8 * n, dtypes)
-    check_additive(device, n, dtypes[:2])
+    section(check_training, device, training, dtypes)
+    section(check_decode, device, 8 * n, dtypes)
+    section(check_additive, device, n, dtypes[:2])
     if device == "cuda" and torch.cuda.device_count() > 1:  # Triton launches on the current one
         print("== on cuda:1 while cuda:0 is current (a model spread over GPUs) ==")
-        check_weights("cuda:1", weights[:1], dtypes[1:2])
-        check_training("cuda:1", training[:1], dtypes[1:2])
+        section(check_weights, "cuda:1", weights[:1], dtypes[1:2])
+        section(check_training, "cuda:1", training[:1], dtypes[1:2])
     elif device == "cuda":
         print("(one GPU: the case of tensors on a second GPU is not run)")
     print(f"\n{len(failures)} failure(s)" + "".join(f"\n  {f}" for f in failures))

@@ -1,42 +1,66 @@
 #!/usr/bin/env bash
-# Every GPU figure the open issues ask for, in three parts that each fit a 10-minute call on a
-# lent GPU machine (whose python3 has torch, triton and transformers; attnlab runs from src/).
-# Logs go to $OUT (the device tool's folder that comes back) or ./gpu-logs.
+# Every GPU figure the open issues ask for, in parts that each fit one 10-minute call on a lent
+# GPU machine (whose python3 has torch, triton and transformers; attnlab runs from src/). Each
+# part stops its steps in time (BUDGET seconds in all, 570 by default): a step gets what is
+# left, and a step with no time left is skipped and says so. Logs go to $OUT (the device
+# tool's folder that comes back) or ./gpu-logs, one per step, written as the step runs.
 #
 #   bash benchmarks/gpu_figures.sh 1   # kernels' results vs float64, then bench_gpu.py (issue 9)
-#   bash benchmarks/gpu_figures.sh 2   # additive kernel tilings (issue 9, item 3)
-#   bash benchmarks/gpu_figures.sh 3   # decoding vs Hugging Face, compiled steps (issue 11)
+#   bash benchmarks/gpu_figures.sh 2   # additive kernel and its tilings (issue 9, item 3)
+#   bash benchmarks/gpu_figures.sh 3   # decoding vs Hugging Face, issue 11's setup; DecodeStep
+#   bash benchmarks/gpu_figures.sh 4   # decoding at batch 1 and a 2,048-token prompt; beam
+#
+# In order of need: 1 first (gpu_check.py must pass before any timing means anything), then 3
+# and 2; 4 when device time is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 logs="${OUT:-gpu-logs}"
 mkdir -p "$logs"
 py=${PYTHON:-python3}
+deadline=$((SECONDS + ${BUDGET:-570}))
 run() {  # name, command...: one log per step; a failing step does not stop the others
     local name=$1
     shift
-    echo "== $name: $*"
-    timeout "${STEP_LIMIT:-540}" "$@" 2>&1 | tee "$logs/$name.log"
+    local left=$((deadline - SECONDS)) limit=${STEP_LIMIT:-540}
+    ((left < limit)) && limit=$left
+    if ((limit < 20)); then
+        echo "== $name: skipped (${left}s of the part's budget left)" | tee "$logs/$name.log"
+        return
+    fi
+    echo "== $name: $* (limit ${limit}s)"
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$logs/$name.log"
     echo "== $name: exit ${PIPESTATUS[0]}"
 }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm \
+    --format=csv,noheader || true
+"$py" -c 'import sys, torch, triton, transformers as t
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "triton", triton.__version__, "transformers", t.__version__)' 2>&1 | tee "$logs/versions.log"
 case "${1:-}" in
 1)
     run gpu_check "$py" benchmarks/gpu_check.py
-    run bench_gpu "$py" benchmarks/bench_gpu.py --only weights
-    run bench_gpu_padding "$py" benchmarks/bench_gpu.py --only padding
+    run bench_gpu_weights "$py" benchmarks/bench_gpu.py --only weights
     run bench_gpu_overhead "$py" benchmarks/bench_gpu.py --only overhead
+    run bench_gpu_padding "$py" benchmarks/bench_gpu.py --only padding  # (prints as it goes)
     ;;
 2)
     run bench_gpu_additive "$py" benchmarks/bench_gpu_additive.py --sweep
     ;;
 3)
-    STEP_LIMIT=240 run bench_decode "$py" benchmarks/bench_decode.py --config issue --attention
-    STEP_LIMIT=120 run bench_decode_step "$py" benchmarks/bench_decode_step.py
-    STEP_LIMIT=180 run bench_beam "$py" benchmarks/bench_beam.py
+    STEP_LIMIT=420 run bench_decode "$py" benchmarks/bench_decode.py --config issue --batch 4 \
+        --prompt 128 --attention
+    run bench_decode_step "$py" benchmarks/bench_decode_step.py
+    ;;
+4)
+    STEP_LIMIT=240 run bench_decode_batch1 "$py" benchmarks/bench_decode.py --config issue \
+        --batch 1 --prompt 128
+    STEP_LIMIT=240 run bench_decode_prompt2048 "$py" benchmarks/bench_decode.py --config issue \
+        --batch 4 --prompt 2048
+    run bench_beam "$py" benchmarks/bench_beam.py
     ;;
 *)
-    echo "usage: bash benchmarks/gpu_figures.sh 1|2|3" >&2
+    echo "usage: bash benchmarks/gpu_figures.sh 1|2|3|4" >&2
     exit 2
     ;;
 esac
