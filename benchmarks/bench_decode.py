@@ -5,26 +5,40 @@ The model has SmolLM2-135M's shape (30 layers, d 576, 9 query / 3 key-value head
 round-robin (one call of each per round):
 
   attnlab dynamic         LlamaModel.generate(cache="dynamic")
-  attnlab static          LlamaModel.generate(cache="static")
-  attnlab static+compile  LlamaModel.generate(compile=True): the compiled decode step
+  attnlab static          LlamaModel.generate(cache=<StaticCache>), uncompiled
+  attnlab static+compile  LlamaModel.generate(cache=<StaticCache>, compile=True): the compiled
+                          decode step (on CUDA a CUDA graph)
   HF dynamic              generate() with its DynamicCache, attn_implementation="sdpa"
-  HF static               generate(cache_implementation="static"), "sdpa": on CUDA Hugging Face
-                          compiles its decode step by itself; on CPU it does not
-  HF static+compile       (CPU only) the same with compilation forced
-                          (CompileConfig._compile_all_devices, as Hugging Face's tests do)
-  HF static [attnlab]     HF static (compiled as above) with attn_implementation="attnlab"
+  HF static               generate(past_key_values=<StaticCache>, disable_compile=True), "sdpa":
+                          uncompiled on every device (on CUDA Hugging Face would compile a
+                          static-cache generate by itself)
+  HF static+compile       the same compiled (on CPU by CompileConfig._compile_all_devices, as
+                          Hugging Face's tests do; on CUDA as generate does by itself)
+  HF static [attnlab]     HF static+compile with attn_implementation="attnlab"
+
+Each static case makes its cache once (for the prompt plus ``--new`` tokens) and resets it before
+every generate: its storage keeps its addresses, so a compiled step's CUDA graph is recorded
+once, not in every timed call (a cache made per call would be at new addresses).
 
 Every case must produce the same greedy tokens as HF static (checked and printed). Figures:
 tokens/s = B * new tokens / time of one generate (prefill included, as Hugging Face reports
 it); ms/step = (time(new tokens) - time(1 token)) / (new tokens - 1), the decode step alone;
-the ratios compare attnlab's cases with HF static and HF static+compile within one run (median
-and best of the rounds). On CUDA, ``--attention`` profiles a few steps of the uncompiled fast
-path and reports the share of GPU kernel time spent in attention kernels; on CPU the share of
-time in the attention operator.
+the ratios compare pairs of cases within one run (median and best of the rounds), compiled with
+compiled and eager with eager first, each labelled. On CUDA, ``--attention`` profiles a few
+steps of the uncompiled fast path and reports the share of GPU kernel time spent in
+``aten::scaled_dot_product_attention`` (all it launched) and attnlab's Triton attention
+kernels; on CPU the share of time in the attention operator.
 
 Presets: CPU (default there): float32, batch 1 and 4, 128-token prompt, 64 new tokens.
 ``--config issue`` (default on CUDA): bfloat16, batch 4 and 1, 128- and 2048-token prompts,
-128 new tokens (issue 11's configuration).
+128 new tokens (issue 11's configuration). ``--batch``, ``--prompt``, ``--new`` and ``--rounds``
+override a preset: one configuration of it alone (a few minutes on an H100, so that each fits
+one 10-minute command), e.g.
+
+  python benchmarks/bench_decode.py --config issue --batch 4 --prompt 128 --attention
+
+Each configuration's figures are printed (and flushed) as soon as it is done, with the time it
+took.
 
 Usage:
   python benchmarks/bench_decode.py [--device cpu|cuda] [--threads N] [--batch 1 4]
@@ -42,6 +56,7 @@ import re
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,6 +85,20 @@ SMOLLM2_SHAPE = dict(
     tie_word_embeddings=True,
 )
 
+# (first case, second case, what the ratio compares): like with like first
+PAIRS = [
+    ("attnlab static+compile", "HF static+compile", "both compiled"),
+    ("attnlab static", "HF static", "both eager"),
+    ("HF static [attnlab]", "HF static+compile", "attention inside HF, both compiled"),
+    ("attnlab static+compile", "HF static", "compiled vs eager"),
+    ("attnlab static+compile", "attnlab static", "attnlab's compiled step vs eager"),
+    ("HF static+compile", "HF static", "HF's compiled step vs eager"),
+]
+
+SDPA_OPERATOR = "aten::scaled_dot_product_attention"
+# attnlab's Triton attention kernels, by the names they run under (attnlab.kernels.triton_*)
+TRITON_ATTENTION_KERNELS = {"_decode_kernel", "_forward_kernel"}
+# on CPU: operators whose own time counts as attention
 ATTENTION_KERNELS = re.compile(r"scaled_dot_product|flash|fmha|attention|sdpa", re.IGNORECASE)
 
 
@@ -88,25 +117,43 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def hf_case(hf, ids, impl: str, cache: str, compiled: bool) -> Callable[[int], torch.Tensor]:
-    kw = {}
+def hf_case(
+    hf, ids, impl: str, cache: str, compiled: bool, total: int
+) -> Callable[[int], torch.Tensor]:
+    """Hugging Face's greedy generate; a static cache made once for the case, reset per call.
+
+    Compiled or not, whatever the device: ``disable_compile`` (since transformers 4.50) turns off
+    the compilation that generate starts by itself on CUDA for a static cache, and
+    ``_compile_all_devices`` turns it on on CPU. Generate would make a new StaticCache per call,
+    at new addresses (marked static), and on CUDA its compiled step would record its CUDA graph
+    again in every call; passing one cache (``past_key_values``, the name that every transformers
+    5 accepts) and resetting it in place keeps its addresses, as attnlab's static cases do.
+    """
+    kw = {"disable_compile": not compiled}
+    static = None
     if cache == "static":
-        kw["cache_implementation"] = "static"
+        static = kw["past_key_values"] = transformers.StaticCache(
+            config=hf.config, max_cache_len=total
+        )
     if compiled:
         config = transformers.CompileConfig()
         config._compile_all_devices = True  # Hugging Face compiles only on accelerators
         kw["compile_config"] = config
 
     def run(new: int) -> torch.Tensor:
+        if static is not None:
+            static.reset()
         hf.set_attn_implementation(impl)
-        return hf.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            **kw,
-        )
+        with warnings.catch_warnings():  # (newer versions call it `cache`, and say so each call)
+            warnings.filterwarnings("ignore", "`past_key_values` is deprecated", FutureWarning)
+            return hf.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                **kw,
+            )
 
     return run
 
@@ -114,17 +161,28 @@ def hf_case(hf, ids, impl: str, cache: str, compiled: bool) -> Callable[[int], t
 def attnlab_case(
     ours, ids, cache: str, compiled: bool, total: int
 ) -> Callable[[int], torch.Tensor]:
+    """attnlab's greedy generate; a static cache made once for the case, reset per call.
+
+    The static cache has one length whatever ``new`` (rounded as ``generate(compile=True)``
+    rounds it): one compiled graph. It is made once and reset before each call, not made per
+    call: its storage is marked with ``mark_static_address``, and at new addresses the compiled
+    step's CUDA graph would be recorded again in every call. (``generate(cache="static",
+    compile=True)`` reuses a cache by itself, but only while the length stays: the timing
+    alternates ``new`` tokens and 1, whose lengths differ.)
+    """
+    kind = cache
+    if cache == "static":
+        kind = ours.make_cache("static", -(-total // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP)
+
     def run(new: int) -> torch.Tensor:
-        kind = cache
-        if cache == "static":  # the same cache length whatever `new`: one compiled graph
-            length = -(-total // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
-            kind = ours.make_cache("static", length)
+        if cache == "static":
+            kind.reset()  # storage kept, zeroed: the same addresses
         return ours.generate(ids, new, cache=kind, compile=compiled)
 
     return run
 
 
-def cases_for(hf, ours, ids, device: str, new: int, only: str | None) -> dict:
+def cases_for(hf, ours, ids, new: int, only: str | None) -> dict:
     total = ids.shape[1] + new
     cases = {}
     if only in (None, "attnlab"):
@@ -132,11 +190,10 @@ def cases_for(hf, ours, ids, device: str, new: int, only: str | None) -> dict:
         cases["attnlab static"] = attnlab_case(ours, ids, "static", False, total)
         cases["attnlab static+compile"] = attnlab_case(ours, ids, "static", True, total)
     if only in (None, "hf"):
-        cases["HF dynamic"] = hf_case(hf, ids, "sdpa", "dynamic", False)
-        cases["HF static"] = hf_case(hf, ids, "sdpa", "static", False)
-        if device != "cuda":
-            cases["HF static+compile"] = hf_case(hf, ids, "sdpa", "static", True)
-        cases["HF static [attnlab]"] = hf_case(hf, ids, "attnlab", "static", device != "cuda")
+        cases["HF dynamic"] = hf_case(hf, ids, "sdpa", "dynamic", False, total)
+        cases["HF static"] = hf_case(hf, ids, "sdpa", "static", False, total)
+        cases["HF static+compile"] = hf_case(hf, ids, "sdpa", "static", True, total)
+        cases["HF static [attnlab]"] = hf_case(hf, ids, "attnlab", "static", True, total)
     return cases
 
 
@@ -144,9 +201,12 @@ def time_cases(cases: dict, new: int, rounds: int, device: str) -> tuple[dict, d
     """Round-robin: per round and case, generate `new` tokens, then 1 (the prefill + 1 step)."""
     tokens = {}
     for name, run in cases.items():  # warm-up: compiles, allocates caches, records tokens
-        print(f"  warm-up {name} ...", flush=True)
+        print(f"  warm-up {name} ...", end=" ", flush=True)
+        t0 = time.perf_counter()
         tokens[name] = run(new)
         run(1)
+        sync(device)
+        print(f"{time.perf_counter() - t0:.1f} s", flush=True)
     times: dict[str, dict[str, list[float]]] = {n: {"full": [], "step": []} for n in cases}
     for _ in range(rounds):
         for name, run in cases.items():
@@ -177,22 +237,14 @@ def report(times: dict, tokens: dict, batch: int, new: int) -> None:
             f"{name:<26} {batch * new / full:10.1f} {batch * new / min(t['full']):8.1f} "
             f"{step * 1e3:9.2f} {min(t['step']) * 1e3:8.2f}   {same}"
         )
-    # HF static [attnlab] is compiled like HF static+compile on CPU, like HF static on CUDA
-    hf_compiled = "HF static+compile" if "HF static+compile" in times else "HF static"
-    pairs = [
-        ("attnlab static+compile", "HF static"),
-        ("attnlab static+compile", "HF static+compile"),
-        ("attnlab static", "HF static"),
-        ("attnlab static+compile", "attnlab static"),
-        ("HF static [attnlab]", hf_compiled),
-    ]
     print("ratios (> 1: the first is faster): tokens/s, median (best); decode step, median")
-    for a, b in pairs:
+    for a, b, what in PAIRS:
         if a in times and b in times:
             tput = statistics.median(times[b]["full"]) / statistics.median(times[a]["full"])
             best = min(times[b]["full"]) / min(times[a]["full"])
             step = statistics.median(times[b]["step"]) / statistics.median(times[a]["step"])
-            print(f"  {a} / {b}: x{tput:.2f} (best x{best:.2f}); step x{step:.2f}")
+            print(f"  {a} / {b} ({what}): x{tput:.2f} (best x{best:.2f}); step x{step:.2f}")
+    sys.stdout.flush()  # this configuration's figures out now, whatever comes after
 
 
 def attention_share(ours, ids, device: str, new: int = 8) -> str:
@@ -211,9 +263,8 @@ def attention_share(ours, ids, device: str, new: int = 8) -> str:
             sync(device)
     events = prof.key_averages()
     if device == "cuda":
-        total = sum(e.self_device_time_total for e in events)
-        attn = sum(e.self_device_time_total for e in events if ATTENTION_KERNELS.search(e.key))
-        what = "GPU kernel time"
+        attn, total, sdpa = gpu_attention_time(events)
+        what = f"GPU kernel time (SDPA ran {', '.join(sdpa) or 'no aten kernel'})"
     else:
         total = sum(e.self_cpu_time_total for e in events)
         attn = sum(e.self_cpu_time_total for e in events if ATTENTION_KERNELS.search(e.key))
@@ -221,6 +272,30 @@ def attention_share(ours, ids, device: str, new: int = 8) -> str:
     if not total or not attn:
         return "attention share: not measurable (no attention kernel named in the profile)"
     return f"attention share of the uncompiled fast step: {100 * attn / total:.1f}% of {what}"
+
+
+def gpu_attention_time(events) -> tuple[float, float, list[str]]:
+    """(attention, total) GPU time in the profile's averaged events, and which implementations
+    of torch's SDPA ran (its ``aten::_scaled_dot_product_*`` operators).
+
+    Total: every kernel once, as its own device event (``self_device_time_total``; the CPU
+    operators that launched kernels carry the same time again, so they are left out).
+    Attention: ``aten::scaled_dot_product_attention`` with everything it launched
+    (``device_time_total``), whichever kernels it picks -- flash, memory-efficient, cuDNN or the
+    math fallback, whose kernels (matmuls, softmax) bear no attention name -- plus attnlab's own
+    Triton attention kernels, which no aten operator launches.
+    """
+    kernels = [
+        e
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)
+    ]
+    total = sum(e.self_device_time_total for e in kernels)
+    attn = sum(e.device_time_total for e in events if e.key == SDPA_OPERATOR)
+    attn += sum(e.self_device_time_total for e in kernels if e.key in TRITON_ATTENTION_KERNELS)
+    sdpa = sorted(e.key for e in events if e.key.startswith("aten::_scaled_dot_product"))
+    return attn, total, sdpa
 
 
 def main() -> None:
@@ -263,11 +338,13 @@ def main() -> None:
             g = torch.Generator().manual_seed(batch * 10_000 + prompt)
             ids = torch.randint(100, 40_000, (batch, prompt), generator=g).to(args.device)
             print(f"\n== batch {batch}, prompt {prompt} tokens, {new} new ==", flush=True)
-            cases = cases_for(hf, ours, ids, args.device, new, args.only)
+            start = time.perf_counter()
+            cases = cases_for(hf, ours, ids, new, args.only)
             times, tokens = time_cases(cases, new, rounds, args.device)
             report(times, tokens, batch, new)
             if args.attention:
                 print("  " + attention_share(ours, ids, args.device))
+            print(f"  (this configuration: {time.perf_counter() - start:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 The model is a small decoder built only from public pieces (embedding, ``nn.MultiHeadAttention``
 layers with RoPE, GQA and a ``layer_idx``, feed-forward blocks, a vocabulary head); the cache a
-``StaticCache``. Cases, timed round-robin in one process (one greedy decode of ``--new`` tokens
-after an eager prefill per call):
+``StaticCache``, one per batch size, reset by every call (so that a CUDA graph is recorded once,
+not once per call). Cases, timed round-robin in one process (one greedy decode of ``--new``
+tokens after an eager prefill per call; on CUDA each call ends with a synchronize):
 
   eager        model(token, cache=cache) per step: each layer reads the cache's length
   DecodeStep   attnlab.models.DecodeStep(model): one compiled graph for every step, positions
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnlab.cache import StaticCache  # noqa: E402
 from attnlab.models import DecodeStep  # noqa: E402
 from attnlab.nn import MultiHeadAttention  # noqa: E402
-from common import header, ratio_line, round_robin  # noqa: E402
+from common import device_sync, header, ratio_line, round_robin  # noqa: E402
 
 
 class Decoder(torch.nn.Module):
@@ -61,8 +62,14 @@ class Decoder(torch.nn.Module):
 
 
 @torch.no_grad()
-def greedy(model, step, ids, new):
-    cache = StaticCache(ids.shape[1] + new + 1)
+def greedy(model, step, ids, new, cache):
+    """Prefill ``ids`` eagerly, then ``new`` greedy tokens through ``step``, in ``cache``.
+
+    The cache is reset here, not made: every call of a batch size reuses one cache, whose
+    storage keeps its address (a CUDA graph replays over it; a new cache per call would have
+    the graph recorded again in every timed call).
+    """
+    cache.reset()
     token = model(ids, cache=cache)[:, -1:].argmax(-1)
     out = [token]
     for _ in range(new):
@@ -96,15 +103,18 @@ def main() -> None:
         ids = torch.randint(0, vocab, (B, args.prompt), device=args.device)
         eager = lambda tok, cache: model(tok, cache=cache)  # noqa: E731
         step = DecodeStep(model)  # one per batch size: the graph is bound to its geometry
-        want, got = greedy(model, eager, ids, args.new), greedy(model, step, ids, args.new)
+        cache = StaticCache(args.prompt + args.new + 1)  # one per batch size too (see greedy)
+        want = greedy(model, eager, ids, args.new, cache)
+        got = greedy(model, step, ids, args.new, cache)
         same = "same tokens" if torch.equal(want, got) else "TOKENS DIFFER"
         stats = round_robin(
             {
-                "DecodeStep": lambda: greedy(model, step, ids, args.new),
-                "eager": lambda: greedy(model, eager, ids, args.new),
+                "DecodeStep": lambda: greedy(model, step, ids, args.new, cache),
+                "eager": lambda: greedy(model, eager, ids, args.new, cache),
             },
             rounds=args.rounds,
             warmup=1,
+            sync=device_sync(args.device),
         )
         print(ratio_line(f"B={B} DecodeStep vs eager ({same})", stats, "DecodeStep", "eager"))
         per_step = stats["DecodeStep"]["median"] / args.new * 1e3

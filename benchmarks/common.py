@@ -14,6 +14,7 @@ output says which allocator ran.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -24,19 +25,39 @@ from collections.abc import Callable
 
 
 def round_robin(
-    cases: dict[str, Callable[[], object]], rounds: int = 10, warmup: int = 2
+    cases: dict[str, Callable[[], object]],
+    rounds: int = 10,
+    warmup: int = 2,
+    sync: Callable[[], object] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Time each case once per round, for ``rounds`` rounds; seconds: median, best."""
+    """Time each case once per round, for ``rounds`` rounds; seconds: median, best.
+
+    ``sync`` (:func:`device_sync`) runs before the first timed call and after each call, inside
+    its timing: a GPU runs the work a call queued after the call returns, and without it that
+    work would be timed in the next case's call.
+    """
+    sync = sync or (lambda: None)
     for _ in range(warmup):
         for fn in cases.values():
             fn()
+    sync()
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(rounds):
         for name, fn in cases.items():
             t0 = time.perf_counter()
             fn()
+            sync()
             times[name].append(time.perf_counter() - t0)
     return {n: {"median": statistics.median(t), "best": min(t)} for n, t in times.items()}
+
+
+def device_sync(device: str) -> Callable[[], object] | None:
+    """``round_robin``'s ``sync`` for cases whose tensors are on ``device``: CUDA's synchronize
+    (a CUDA call returns before its kernels have run); None elsewhere (nothing runs later)."""
+    import torch
+
+    device = torch.device(device)
+    return functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
 
 
 def ratio_line(label: str, stats: dict, case: str, baseline: str) -> str:

@@ -50,7 +50,10 @@ def greedy(
     B = src.shape[0]
     limits = length_limits(src_lengths) if limits is None else limits
     max_length = int(limits.max())
-    state = model.start(model.encode(src, src_lengths), max_length=max_length, compile=compile)
+    reuse = {"reuse_cache": True} if compile else {}  # one decoding at a time: see start()
+    state = model.start(
+        model.encode(src, src_lengths), max_length=max_length, compile=compile, **reuse
+    )
     tokens = torch.full((B,), BOS, dtype=torch.long, device=src.device)
     done = torch.zeros(B, dtype=torch.bool, device=src.device)
     ended_by_eos = torch.zeros(B, dtype=torch.bool, device=src.device)
@@ -106,7 +109,8 @@ def beam_search(
     limits = (length_limits(src_lengths) if limits is None else limits).tolist()
     memory = model.encode(src, src_lengths)
     rows = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,): hypothesis -> sentence
-    state = model.start(select_rows(memory, rows), max_length=max(limits), compile=compile)
+    reuse = {"reuse_cache": True} if compile else {}  # one decoding at a time: see start()
+    state = model.start(select_rows(memory, rows), max_length=max(limits), compile=compile, **reuse)
     scores = torch.zeros(B, K, device=device)
     scores[:, 1:] = float("-inf")  # all K start identical: let only the first one expand
     tokens = torch.full((B * K,), BOS, dtype=torch.long, device=device)

@@ -210,11 +210,14 @@ class RNNSeq2Seq(nn.Module):
         return (logits, weights) if return_attention else logits
 
     # ------------------------------------------------------------------------------ decoding
-    def start(self, memory: dict, *, max_length: int | None = None, compile=False) -> dict:
+    def start(
+        self, memory: dict, *, max_length: int | None = None, compile=False, reuse_cache=False
+    ) -> dict:
         """Decoder state before the first step: the memory plus the current GRU state.
 
         (``max_length`` is not needed: the state does not grow. ``compile`` is refused: a
-        compiled step is the Transformer's, whose KV cache it fixes in shape.)
+        compiled step is the Transformer's, whose KV cache it fixes in shape; ``reuse_cache``
+        is the Transformer's too, and means nothing here.)
         """
         if compile:
             raise ValueError(

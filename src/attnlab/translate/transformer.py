@@ -195,13 +195,17 @@ class TransformerSeq2Seq(nn.Module):
         return (logits, attn) if return_attention else logits
 
     def __getstate__(self) -> dict:
-        """Pickled (torch.save, deepcopy) without its compiled decoder steps: they are code."""
+        """Pickled (torch.save, deepcopy) without its compiled decoder steps (code) and the
+        caches they reuse."""
         state = dict(self.__dict__)
         state.pop("_decode_steps", None)
+        state.pop("_decode_caches", None)
         return state
 
     # ------------------------------------------------------------------------------ decoding
-    def start(self, memory: dict, *, max_length: int | None = None, compile=False) -> dict:
+    def start(
+        self, memory: dict, *, max_length: int | None = None, compile=False, reuse_cache=False
+    ) -> dict:
         """Decoder state before the first token: the memory, a KV cache and the position.
 
         ``compile`` (True, or a dict of :class:`attnlab.models.DecodeStep` options): every step
@@ -210,6 +214,12 @@ class TransformerSeq2Seq(nn.Module):
         sizes (``dynamic=True``), so batches of other sizes and source lengths reuse it. The
         cache's length and the source (masked) are rounded up to a multiple of ``BUCKET``:
         a CUDA graph is recorded per geometry, and this keeps them few.
+
+        ``reuse_cache``: the model's last static cache of that length is reset and used again
+        (its storage kept when the batch has the same size), so that a CUDA graph replays over
+        the same addresses instead of being recorded again for every batch. For callers that
+        finish one decoding before they start the next, as :func:`greedy` and
+        :func:`beam_search` do; two states decoding at once need a cache each.
         """
         from attnlab.cache import DynamicCache, StaticCache
 
@@ -235,7 +245,16 @@ class TransformerSeq2Seq(nn.Module):
         padded = {k: F.pad(v, (0, 0, 0, pad)) for k, v in memory.items() if k != "mask"}
         padded["mask"] = F.pad(memory["mask"], (0, pad), value=False)
         state = {**memory, **padded, "source_length": S}
-        return {**state, "cache": StaticCache(max_length), "pos": 0, "step": steps[key]}
+        caches = self.__dict__.setdefault("_decode_caches", {})  # (not state: not pickled)
+        if not reuse_cache:
+            cache = StaticCache(max_length)
+        elif max_length in caches:
+            cache = caches[max_length]
+            cache.reset()
+        else:  # one kept: the last length's (a cache is the size of the batch's decoding)
+            caches.clear()
+            cache = caches[max_length] = StaticCache(max_length)
+        return {**state, "cache": cache, "pos": 0, "step": steps[key]}
 
     def step(self, tokens: torch.Tensor, state: dict, *, return_attention: bool = False):
         """One token per row: tokens (N,) -> logits (N, V), state, attention (N, N_l, H, S)."""
