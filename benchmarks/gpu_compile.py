@@ -168,12 +168,14 @@ def attention_cases(dtypes, dims):
                 band = kw.get("band")
 
                 def launch_all(q=q, k=k, E=E, args=args, band=band):
+                    mask, alignment, _, key_range = args
                     out, lse = ta.attention_forward(q, k, k, *args, band=band)
                     ta.attention_weights(q, k, lse, *args, band=band)
                     ta.attention_weights(q, k, lse, *args, average=True, band=band)
-                    tb.attention_backward(q, k, k, out, lse, out, *args[:2], E**-0.5, args[3], band)
-                    td.decode_attention(q[:, :, :3], k, k, args[0] if args[0] is None else
-                                        args[0][:, :, :3], "bottom_right", None, args[3],
+                    tb.attention_backward(q, k, k, out, lse, out, mask, alignment, E**-0.5,
+                                          key_range, band)  # fmt: skip
+                    rows = None if mask is None else mask[:, :, :3]  # 3 new query rows
+                    td.decode_attention(q[:, :, :3], k, k, rows, "bottom_right", None, key_range,
                                         return_weights=True, band=band)  # fmt: skip
                     td.decode_attention(q[:, :, :1], k, k, None, "bottom_right")
 

@@ -59,7 +59,7 @@ def unfit(q, k, v, mask, dropout_p, grad, return_weights=False) -> str | None:
     if dropout_p > 0:
         return "dropout (not in the Triton kernels)"
     L, S = q.shape[-2], k.shape[-2]
-    if return_weights and L * S > 2**31:
+    if return_weights and L * S > _triton.INT32_MAX + 1:  # (the weights are contiguous)
         return f"weights of L x S = {L} x {S} per head: past the kernels' 32-bit offsets (2**31)"
     from attnlab.kernels import triton_attention
 
