@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ from torch import nn
 
 import attnlab.reference as R
 from attnlab import masks
+from attnlab.functional import rotary_angles
 from attnlab.nn import (
     AdditiveAttention,
     DotProductAttention,
@@ -109,6 +112,44 @@ def test_rope_sees_relative_positions_only():
     torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
     c = layer(x, position_ids=torch.tensor([0, 1, 2, 3, 4, 6]))  # change a distance: changes
     assert (c - a).abs().max() > 1e-3
+
+
+def test_rope_angles_computed_once_equal_position_ids():
+    """A model passes every layer the angles it computed once: the same numbers, bit for bit,
+    in float64 and (with float32 angles) in bfloat16; per-row positions too."""
+    torch.manual_seed(3)
+    layer = MultiHeadAttention(32, 4, num_kv_heads=2, rope=500.0, is_causal=True).double()
+    x = randn(2, 6, 32)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]])
+    for p in (torch.arange(6) + 3, pos):
+        angles = rotary_angles(p, layer.head_dim, layer.rope_base, torch.float64)
+        want = layer(x, position_ids=p)
+        assert torch.equal(layer(x, rope_angles=angles), want)
+        oracle, _ = mha_oracle(layer, x, is_causal=True, positions=np64(p))
+        if p.dim() == 1:
+            assert_close_to_oracle(want, oracle)
+    layer16, x16 = layer.to(torch.bfloat16), x.to(torch.bfloat16)
+    angles = rotary_angles(pos, layer.head_dim, layer.rope_base)  # float32, as the layer's own
+    assert torch.equal(layer16(x16, rope_angles=angles), layer16(x16, position_ids=pos))
+
+
+@pytest.mark.parametrize(
+    "rope,kw,said",
+    [
+        (False, {"rope_angles": "angles"}, "a layer without RoPE"),
+        (True, {"rope_angles": "angles", "position_ids": torch.arange(5)}, "got both"),
+        (True, {"rope_angles": "short"}, "L = 5 and E = head_dim = 8"),
+        (True, {"rope_angles": "one"}, "rope_angles must be (cos, sin)"),
+    ],
+)
+def test_rope_angles_misuse_says_the_fix(rope, kw, said):
+    layer = MultiHeadAttention(16, 2, rope=rope)
+    angles = rotary_angles(torch.arange(5), 8)
+    given = {"angles": angles, "short": rotary_angles(torch.arange(4), 8), "one": angles[:1]}
+    kw = {**kw, "rope_angles": given[kw["rope_angles"]]}
+    with pytest.raises(ValueError, match=re.escape(said)) as err:
+        layer(torch.randn(2, 5, 16), **kw)
+    assert "Fix:" in str(err.value)
 
 
 def test_dropout_only_in_training():

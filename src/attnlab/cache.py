@@ -43,14 +43,17 @@ __all__ = ["Cache", "DynamicCache", "SlidingWindowCache", "StaticCache"]
 
 def finite_slots(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """(B, Hkv, L, E), (B, Hkv, L, Ev) -> (B, Hkv, L) bool: True where the slot's key and value
-    hold no NaN or inf (max |x| is non-finite exactly when x holds one)."""
-    rows = [x.abs().amax(-1) for x in (key, value) if x.shape[-1]]  # (E = 0 holds no NaN)
-    if not rows:
+    hold no NaN or inf (max |x| is non-finite exactly when x holds one; it cannot overflow).
+
+    One reduction over the slot's key and value side by side (a cache checks every token it
+    writes, in every layer: three small operations, not one per tensor).
+    """
+    both = torch.cat([key, value], dim=-1)  # (B, Hkv, L, E + Ev)
+    if not both.shape[-1]:  # (E = Ev = 0 holds no NaN)
         return key.new_ones(key.shape[:-1], dtype=torch.bool)
-    top = rows[0] if len(rows) == 1 else torch.maximum(*rows)  # NaN-propagating max
     # NaN < inf and inf < inf are False. (Not torch.isfinite: inductor's CPU code for it
     # fails to compile when the result is written through a slice of a fresh tensor.)
-    return top < float("inf")
+    return torch.linalg.vector_norm(both, float("inf"), dim=-1) < float("inf")
 
 
 def write_token(keys, values, finite, slot, key, value) -> None:

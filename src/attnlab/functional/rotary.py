@@ -63,18 +63,34 @@ def apply_rotary_qk(
     """:func:`apply_rotary` on queries (B, H, L, E) and keys (B, Hkv, L, E) at the same
     positions, computing the angles once (an attention layer's every step)."""
     check_floating("x", query)
-    if positions.dim() not in (1, 2) or positions.shape[-1] != query.shape[-2]:
-        raise ValueError(
-            f"positions must be (L,) or (B, L) with L = {query.shape[-2]}; got "
-            f"{tuple(positions.shape)}."
-        )
+    check_positions(positions, query.shape[-2])
     dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    cos, sin = rotary_angles(positions, query.shape[-1], base, dtype)
-    if positions.dim() == 2:  # (B, L, E) -> (B, 1, L, E): the same positions for every head
+    return rotate_qk(query, key, *rotary_angles(positions, query.shape[-1], base, dtype))
+
+
+def check_positions(positions: torch.Tensor, length: int) -> None:
+    """Raise unless ``positions`` is (L,) or (B, L) with L = ``length``."""
+    if positions.dim() not in (1, 2) or positions.shape[-1] != length:
+        raise ValueError(
+            f"positions must be (L,) or (B, L) with L = {length}; got {tuple(positions.shape)}."
+        )
+
+
+def rotate_qk(
+    query: torch.Tensor, key: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotate queries (B, H, L, E) and keys (B, Hkv, L, E) by angles already computed:
+    ``cos, sin = rotary_angles(positions, E, base)``, (L, E) or (B, L, E).
+
+    A model computes the angles once per forward and rotates every layer's queries and keys
+    with them (as Hugging Face's ``position_embeddings``): the same numbers as
+    :func:`apply_rotary_qk`, without recomputing ``cos`` and ``sin`` in every layer.
+    """
+    if cos.dim() == 3:  # (B, L, E) -> (B, 1, L, E): the same positions for every head
         cos, sin = cos[:, None], sin[:, None]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(dtype)
+        xf = x.to(torch.promote_types(x.dtype, cos.dtype))  # (16-bit inputs: float32)
         x1, x2 = xf.chunk(2, dim=-1)
         return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 

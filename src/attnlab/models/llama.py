@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from attnlab.cache import Cache, DynamicCache, SlidingWindowCache, StaticCache, write_token
-from attnlab.functional.rotary import apply_rotary_qk
+from attnlab.functional.rotary import check_positions, rotary_angles, rotate_qk
 from attnlab.functional.sdpa import attention_with
 from attnlab.nn import MultiHeadAttention
 
@@ -119,12 +119,12 @@ class Block(nn.Module):
         self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
-    def forward(self, x, *, cache, key_mask, position_ids, return_weights):
+    def forward(self, x, *, cache, key_mask, rope_angles, return_weights):
         attn = self.attn(
             self.attn_norm(x),
             cache=cache,
             key_mask=key_mask,
-            position_ids=position_ids,
+            rope_angles=rope_angles,
             return_weights=return_weights,
         )
         attn, weights = attn if return_weights else (attn, None)
@@ -135,18 +135,18 @@ class Block(nn.Module):
         h = self.mlp_norm(x)
         return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))  # SwiGLU
 
-    def forward_step(self, x, mask, position_ids, slot, keys, values, finite):
-        """The decode fast path of one block: x (B, 1, D), mask (B, 1, 1, C), position_ids
-        (B, 1), slot (1,); keys/values (B, Hkv, C, E) and finite (B, Hkv, C) this layer's cache
-        storage (written at ``slot``) -> (B, 1, D). The same computation as :meth:`forward`
-        with a cache."""
+    def forward_step(self, x, mask, rope_angles, slot, keys, values, finite):
+        """The decode fast path of one block: x (B, 1, D), mask (B, 1, 1, C), rope_angles
+        (cos, sin) (B, 1, E) each, slot (1,); keys/values (B, Hkv, C, E) and finite (B, Hkv, C)
+        this layer's cache storage (written at ``slot``) -> (B, 1, D). The same computation as
+        :meth:`forward` with a cache."""
         attn = self.attn
         B, H, Hkv, E = x.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
         h = self.attn_norm(x)
         q = attn.q_proj(h).view(B, 1, H, E).transpose(1, 2)  # (B, 1, H*E) -> (B, H, 1, E)
         k = attn.k_proj(h).view(B, 1, Hkv, E).transpose(1, 2)  # (B, 1, Hkv*E) -> (B, Hkv, 1, E)
         v = attn.v_proj(h).view(B, 1, Hkv, E).transpose(1, 2)
-        q, k = apply_rotary_qk(q, k, position_ids, attn.rope_base)
+        q, k = rotate_qk(q, k, *rope_angles)
         write_token(keys, values, finite, slot, k, v)  # in place; finiteness checked once
         out = attention_with(q, keys, values, mask, kv_finite=finite.all(-1))  # (B, H, 1, E)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(B, 1, H * E))  # -> (B, 1, H*E) -> D
@@ -199,13 +199,14 @@ class LlamaModel(nn.Module):
                 raise ValueError("pass position_ids when padding a continuation")
             position_ids = position_ids.clamp_min(0)
         x = self.embed(input_ids)
+        angles = self._rope_angles(position_ids, cache, input_ids)  # once, for every layer
         all_weights = []
         for block in self.blocks:
             x, w = block(
                 x,
                 cache=cache,
                 key_mask=key_mask,
-                position_ids=position_ids,
+                rope_angles=angles,
                 return_weights=return_weights,
             )
             all_weights.append(w)
@@ -258,9 +259,22 @@ class LlamaModel(nn.Module):
             allowed = allowed & (t - positions < self.cfg.sliding_window)[None, :]
         mask = allowed[:, None, None, :]  # (B, C) -> (B, 1, 1, C), shared by every layer
         x = self.embed(input_ids)
+        angles = self._rope_angles(position_ids, None, input_ids)
         for block, (keys, values, _, _, finite) in zip(self.blocks, buffers, strict=True):
-            x = block.forward_step(x, mask, position_ids, slot, keys, values, finite)
+            x = block.forward_step(x, mask, angles, slot, keys, values, finite)
         return self.lm_head(self.norm(x))
+
+    def _rope_angles(self, position_ids, cache, input_ids):
+        """(cos, sin) of the new tokens' rotary angles, (L, E) or (B, L, E), computed once for
+        every layer; positions by default after the cache's tokens, as each layer counts them."""
+        if position_ids is None:
+            past = 0 if cache is None else cache.get_seq_length(0)
+            L = input_ids.shape[1]
+            position_ids = torch.arange(past, past + L, device=input_ids.device)
+        check_positions(position_ids, input_ids.shape[1])
+        attn = self.blocks[0].attn
+        dtype = torch.float64 if self.embed.weight.dtype == torch.float64 else torch.float32
+        return rotary_angles(position_ids, attn.head_dim, attn.rope_base, dtype)
 
     def make_cache(self, kind: str = "dynamic", max_length: int | None = None) -> Cache:
         """A cache for this model: ``"dynamic"``, ``"static"`` (needs max_length), ``"sliding"``."""

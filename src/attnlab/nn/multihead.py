@@ -20,7 +20,7 @@ from torch import nn
 
 from attnlab._checks import check_floating, divisors
 from attnlab.cache import Cache, SlidingWindowCache
-from attnlab.functional.rotary import apply_rotary_qk
+from attnlab.functional.rotary import apply_rotary_qk, rotate_qk
 from attnlab.functional.sdpa import attention_with
 from attnlab.masks import plain, restrict, sliding_window_mask
 from attnlab.nn._names import COMPAT, FORWARD, INIT, refuse
@@ -151,6 +151,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool | str | None = None,
         cache: Cache | None = None,
         position_ids: torch.Tensor | None = None,
+        rope_angles: tuple[torch.Tensor, torch.Tensor] | None = None,
         return_weights: bool = False,
         average_weights: bool = False,
         **torch_names,
@@ -171,6 +172,10 @@ class MultiHeadAttention(nn.Module):
             cache: a :mod:`attnlab.cache` cache (self-attention only); the new keys/values are
                 appended under ``self.layer_idx``.
             position_ids: (L,) or (B, L) positions for RoPE; default: after the cached tokens.
+            rope_angles: instead of ``position_ids``, their rotation angles ``(cos, sin)``, each
+                (L, E) or (B, L, E), from :func:`attnlab.functional.rotary_angles` with this
+                layer's ``rope_base``: a model computes them once per forward for all its
+                layers (as Hugging Face's ``position_embeddings``) instead of once per layer.
             return_weights: also return the attention weights, (B, H, L, S).
             average_weights: average the returned weights over heads: (B, L, S).
 
@@ -218,7 +223,10 @@ class MultiHeadAttention(nn.Module):
         elif cache is not None:
             past = cache.get_seq_length(self.layer_idx)
             q_pos = torch.arange(past, past + L, device=query.device)
-        if self.rope_base is not None:
+        if rope_angles is not None:
+            self._check_rope_angles(rope_angles, position_ids, L)
+            q, k = rotate_qk(q, k, *rope_angles)
+        elif self.rope_base is not None:
             if position_ids is None:
                 position_ids = torch.arange(L, device=query.device) if q_pos is None else q_pos
             q, k = apply_rotary_qk(q, k, position_ids, self.rope_base)  # angles computed once
@@ -288,6 +296,30 @@ class MultiHeadAttention(nn.Module):
                 f"a SlidingWindowCache of window {cache.window} drops keys this layer still "
                 f"attends to (sliding_window={self.sliding_window}). Fix: "
                 f"MultiHeadAttention(..., sliding_window=w) with w <= {cache.window}."
+            )
+
+    def _check_rope_angles(self, angles, position_ids, L: int) -> None:
+        """``rope_angles``: a (cos, sin) pair of (L, E) or (B, L, E), on a layer with RoPE."""
+        if self.rope_base is None or position_ids is not None:
+            raise ValueError(
+                "rope_angles rotates the queries and keys of a layer built with rope=..., in "
+                "place of position_ids; got "
+                + ("a layer without RoPE" if self.rope_base is None else "both")
+                + ". Fix: MultiHeadAttention(..., rope=True), and pass one of the two."
+            )
+        shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in angles]
+        if (
+            len(shapes) != 2
+            or not all(isinstance(a, torch.Tensor) and a.is_floating_point() for a in angles)
+            or shapes[0] != shapes[1]
+            or len(shapes[0]) not in (2, 3)
+            or shapes[0][-2:] != (L, self.head_dim)
+        ):
+            raise ValueError(
+                f"rope_angles must be (cos, sin), two floating tensors of shape (L, E) or "
+                f"(B, L, E) with L = {L} and E = head_dim = {self.head_dim}; got {shapes}. "
+                f"Fix: rope_angles=attnlab.functional.rotary_angles(position_ids, "
+                f"{self.head_dim}, {self.rope_base})."
             )
 
     def _check_step(self, cache, L, key_mask) -> None:
