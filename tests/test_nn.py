@@ -138,14 +138,22 @@ def test_rope_angles_computed_once_equal_position_ids():
     [
         (False, {"rope_angles": "angles"}, "a layer without RoPE"),
         (True, {"rope_angles": "angles", "position_ids": torch.arange(5)}, "got both"),
-        (True, {"rope_angles": "short"}, "L = 5 and E = head_dim = 8"),
+        (True, {"rope_angles": "short"}, "B = 2, L = 5 and E = head_dim = 8; got [(4, 8), (4, 8)]"),
+        (True, {"rope_angles": "batch"}, "got [(3, 5, 8), (3, 5, 8)]"),
         (True, {"rope_angles": "one"}, "rope_angles must be (cos, sin)"),
+        (True, {"rope_angles": "tensor"}, "got Tensor"),
     ],
 )
 def test_rope_angles_misuse_says_the_fix(rope, kw, said):
     layer = MultiHeadAttention(16, 2, rope=rope)
     angles = rotary_angles(torch.arange(5), 8)
-    given = {"angles": angles, "short": rotary_angles(torch.arange(4), 8), "one": angles[:1]}
+    given = {
+        "angles": angles,
+        "short": rotary_angles(torch.arange(4), 8),
+        "batch": rotary_angles(torch.arange(5).expand(3, 5), 8),
+        "one": angles[:1],
+        "tensor": angles[0],
+    }
     kw = {**kw, "rope_angles": given[kw["rope_angles"]]}
     with pytest.raises(ValueError, match=re.escape(said)) as err:
         layer(torch.randn(2, 5, 16), **kw)

@@ -224,7 +224,7 @@ class MultiHeadAttention(nn.Module):
             past = cache.get_seq_length(self.layer_idx)
             q_pos = torch.arange(past, past + L, device=query.device)
         if rope_angles is not None:
-            self._check_rope_angles(rope_angles, position_ids, L)
+            self._check_rope_angles(rope_angles, position_ids, B, L)
             q, k = rotate_qk(q, k, *rope_angles)
         elif self.rope_base is not None:
             if position_ids is None:
@@ -298,7 +298,7 @@ class MultiHeadAttention(nn.Module):
                 f"MultiHeadAttention(..., sliding_window=w) with w <= {cache.window}."
             )
 
-    def _check_rope_angles(self, angles, position_ids, L: int) -> None:
+    def _check_rope_angles(self, angles, position_ids, B: int, L: int) -> None:
         """``rope_angles``: a (cos, sin) pair of (L, E) or (B, L, E), on a layer with RoPE."""
         if self.rope_base is None or position_ids is not None:
             raise ValueError(
@@ -307,17 +307,20 @@ class MultiHeadAttention(nn.Module):
                 + ("a layer without RoPE" if self.rope_base is None else "both")
                 + ". Fix: MultiHeadAttention(..., rope=True), and pass one of the two."
             )
-        shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in angles]
-        if (
-            len(shapes) != 2
-            or not all(isinstance(a, torch.Tensor) and a.is_floating_point() for a in angles)
-            or shapes[0] != shapes[1]
-            or len(shapes[0]) not in (2, 3)
-            or shapes[0][-2:] != (L, self.head_dim)
+        pair = isinstance(angles, tuple | list) and len(angles) == 2
+        pair = pair and all(isinstance(a, torch.Tensor) and a.is_floating_point() for a in angles)
+        shape = tuple(angles[0].shape) if pair else None
+        if not (
+            pair
+            and tuple(angles[1].shape) == shape
+            and len(shape) in (2, 3)
+            and shape[-2:] == (L, self.head_dim)
+            and (len(shape) == 2 or shape[0] in (1, B))
         ):
+            got = [tuple(a.shape) for a in angles] if pair else type(angles).__name__
             raise ValueError(
                 f"rope_angles must be (cos, sin), two floating tensors of shape (L, E) or "
-                f"(B, L, E) with L = {L} and E = head_dim = {self.head_dim}; got {shapes}. "
+                f"(B, L, E) with B = {B}, L = {L} and E = head_dim = {self.head_dim}; got {got}. "
                 f"Fix: rope_angles=attnlab.functional.rotary_angles(position_ids, "
                 f"{self.head_dim}, {self.rope_base})."
             )
