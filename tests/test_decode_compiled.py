@@ -17,8 +17,9 @@ import pytest
 import torch
 import torch._dynamo
 
+import attnlab.cache
 from attnlab.cache import DynamicCache, StaticCache
-from attnlab.models import DecodeStep, LlamaConfig, LlamaModel, llama
+from attnlab.models import DecodeStep, LlamaConfig, LlamaModel
 from attnlab.nn import MultiHeadAttention
 
 B, SLOTS, VOCAB = 3, 32, 64
@@ -162,11 +163,11 @@ def test_generate_compile_with_inductor_equals_eager():
     assert torch.equal(model.generate(ids, 8, key_mask=mask, compile=True), want)
     assert torch.equal(model.generate(ids, 8, cache="dynamic", key_mask=mask), want)
     # the next call reuses the cache's storage (a CUDA graph keeps replaying over it)
-    cache = llama._GENERATE_CACHES[model]
+    cache = attnlab.cache._KEPT[model]
     assert cache.max_length == 64
     address = cache.buffers(0)[0].data_ptr()
     assert torch.equal(model.generate(ids, 8, key_mask=mask, compile=True), want)
-    assert llama._GENERATE_CACHES[model].buffers(0)[0].data_ptr() == address
+    assert attnlab.cache._KEPT[model].buffers(0)[0].data_ptr() == address
 
 
 # --- one graph, no recompilation ------------------------------------------------------------

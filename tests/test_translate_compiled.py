@@ -16,6 +16,7 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 
+import attnlab.cache
 import attnlab.functional as AF
 from attnlab.cache import StaticCache
 from attnlab.models import DecodeStep
@@ -152,19 +153,20 @@ def test_compiled_decoding_reuses_one_static_cache_across_batches():
     """A CUDA graph replays over the cache's addresses: a new cache per batch would record it
     again every time. greedy and beam_search reset and reuse the model's last cache."""
     model, graphs = model_of("gqa", eos=1.5), Graphs()
+    kept = attnlab.cache._KEPT  # model -> its last cache
     src, lengths = batch(3, 7, 0)
     want = beam_search(model, src, lengths, beam_size=2)
     addresses = []
     for _ in range(2):
         got = beam_search(model, src, lengths, beam_size=2, compile={"backend": graphs})
         same(got, want)  # a reset cache: nothing of the last decoding leaks into this one
-        (cache,) = model._decode_caches.values()
+        cache = kept[model]
         addresses.append([layer.keys.data_ptr() for layer in cache._layers.values()])
     assert addresses[0] == addresses[1] and addresses[0]
     greedy(model, *batch(2, 30, 1), compile={"backend": graphs})  # another length: replaced
-    assert len(model._decode_caches) == 1 and cache not in model._decode_caches.values()
+    assert kept[model] is not cache and kept[model].max_length != cache.max_length
     state = model.start(model.encode(src, lengths), max_length=8, compile={"backend": graphs})
-    assert state["cache"] not in model._decode_caches.values()  # start() alone: its own cache
+    assert state["cache"] is not kept[model]  # start() alone: its own cache
 
 
 def test_compiled_state_rounds_cache_and_source_up_to_a_bucket():

@@ -36,6 +36,8 @@ The cache stores tensors for inference; it is not meant to be backpropagated thr
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 __all__ = ["Cache", "DynamicCache", "SlidingWindowCache", "StaticCache"]
@@ -485,6 +487,27 @@ class StaticCache(Cache):
             )
         layer.write(slice(start, end), key, value, padding, start)
         return layer.storage()
+
+
+# owner (a model) -> the StaticCache it decoded with last (kept_static_cache). Weak: the cache
+# goes with its model, and is never pickled with it.
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def kept_static_cache(owner, max_length: int, num_layers: int | None = None) -> StaticCache:
+    """The StaticCache of ``max_length`` slots that ``owner`` (a model) decoded with last,
+    reset; a new one, kept in its place, for another length.
+
+    A compiled decode step's CUDA graph replays over its cache's addresses: a new cache for
+    every call would have the graph recorded again each time. A reset cache keeps its storage
+    (zeroed) when the batch size, dtype and device stay. One decoding at a time per owner: two
+    at once need a cache each.
+    """
+    cache = _KEPT.get(owner)
+    if cache is None or cache.max_length != max_length or cache.num_layers != num_layers:
+        cache = _KEPT[owner] = StaticCache(max_length, num_layers)
+    cache.reset()
+    return cache
 
 
 class SlidingWindowCache(Cache):

@@ -23,13 +23,19 @@ Normalization", 2019; Shazeer, "GLU Variants Improve Transformer", 2020.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from attnlab.cache import Cache, DynamicCache, SlidingWindowCache, StaticCache, write_token
+from attnlab.cache import (
+    Cache,
+    DynamicCache,
+    SlidingWindowCache,
+    StaticCache,
+    kept_static_cache,
+    write_token,
+)
 from attnlab.functional.rotary import check_positions, rotary_angles, rotate_qk
 from attnlab.functional.sdpa import attention_with
 from attnlab.nn import MultiHeadAttention
@@ -37,19 +43,6 @@ from attnlab.nn import MultiHeadAttention
 # generate(compile=True) rounds a static cache's length up to a multiple of this, so prompts of
 # nearby lengths reuse one compiled step instead of compiling one each.
 CACHE_LENGTH_STEP = 64
-
-# model -> the StaticCache its last generate(compile=True) used, reset and reused by the next
-# call of the same length: a CUDA graph replays over the cache's addresses, and a new cache per
-# call would record the graph again every time. Weak: the cache goes with its model.
-_GENERATE_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _reused_static_cache(model: LlamaModel, length: int) -> StaticCache:
-    cache = _GENERATE_CACHES.get(model)
-    if cache is None or cache.max_length != length:
-        cache = _GENERATE_CACHES[model] = model.make_cache("static", length)
-    cache.reset()  # storage kept (zeroed) when the batch, dtype and device are the same
-    return cache
 
 
 @dataclass
@@ -335,7 +328,7 @@ class LlamaModel(nn.Module):
             length = P + max_new_tokens
             if compile and cache == "static":
                 length = -(-length // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
-                cache = _reused_static_cache(self, length)
+                cache = kept_static_cache(self, length, self.cfg.num_layers)
             else:
                 cache = self.make_cache(cache, length)
         step = DecodeStep(self) if compile else None

@@ -195,11 +195,9 @@ class TransformerSeq2Seq(nn.Module):
         return (logits, attn) if return_attention else logits
 
     def __getstate__(self) -> dict:
-        """Pickled (torch.save, deepcopy) without its compiled decoder steps (code) and the
-        caches they reuse."""
+        """Pickled (torch.save, deepcopy) without its compiled decoder steps: they are code."""
         state = dict(self.__dict__)
         state.pop("_decode_steps", None)
-        state.pop("_decode_caches", None)
         return state
 
     # ------------------------------------------------------------------------------ decoding
@@ -221,7 +219,7 @@ class TransformerSeq2Seq(nn.Module):
         finish one decoding before they start the next, as :func:`greedy` and
         :func:`beam_search` do; two states decoding at once need a cache each.
         """
-        from attnlab.cache import DynamicCache, StaticCache
+        from attnlab.cache import DynamicCache, StaticCache, kept_static_cache
 
         if not compile:
             return {**memory, "cache": DynamicCache(), "pos": 0}
@@ -245,15 +243,7 @@ class TransformerSeq2Seq(nn.Module):
         padded = {k: F.pad(v, (0, 0, 0, pad)) for k, v in memory.items() if k != "mask"}
         padded["mask"] = F.pad(memory["mask"], (0, pad), value=False)
         state = {**memory, **padded, "source_length": S}
-        caches = self.__dict__.setdefault("_decode_caches", {})  # (not state: not pickled)
-        if not reuse_cache:
-            cache = StaticCache(max_length)
-        elif max_length in caches:
-            cache = caches[max_length]
-            cache.reset()
-        else:  # one kept: the last length's (a cache is the size of the batch's decoding)
-            caches.clear()
-            cache = caches[max_length] = StaticCache(max_length)
+        cache = kept_static_cache(self, max_length) if reuse_cache else StaticCache(max_length)
         return {**state, "cache": cache, "pos": 0, "step": steps[key]}
 
     def step(self, tokens: torch.Tensor, state: dict, *, return_attention: bool = False):
