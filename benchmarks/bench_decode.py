@@ -70,6 +70,7 @@ import transformers  # noqa: E402
 from attnlab.integrations.transformers import register  # noqa: E402
 from attnlab.models import DecodeStep, LlamaModel  # noqa: E402
 from attnlab.models.llama import CACHE_LENGTH_STEP  # noqa: E402
+from common import device_sync  # noqa: E402
 
 SMOLLM2_SHAPE = dict(
     vocab_size=49152,
@@ -110,11 +111,6 @@ def build_models(device: str, dtype: torch.dtype):
     hf.generation_config.pad_token_id = 0
     ours = LlamaModel.from_hf(hf).to(device)
     return hf, ours
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def hf_case(
@@ -199,24 +195,25 @@ def cases_for(hf, ours, ids, new: int, only: str | None) -> dict:
 
 def time_cases(cases: dict, new: int, rounds: int, device: str) -> tuple[dict, dict]:
     """Round-robin: per round and case, generate `new` tokens, then 1 (the prefill + 1 step)."""
+    sync = device_sync(device)
     tokens = {}
     for name, run in cases.items():  # warm-up: compiles, allocates caches, records tokens
         print(f"  warm-up {name} ...", end=" ", flush=True)
         t0 = time.perf_counter()
         tokens[name] = run(new)
         run(1)
-        sync(device)
+        sync()
         print(f"{time.perf_counter() - t0:.1f} s", flush=True)
     times: dict[str, dict[str, list[float]]] = {n: {"full": [], "step": []} for n in cases}
     for _ in range(rounds):
         for name, run in cases.items():
-            sync(device)
+            sync()
             t0 = time.perf_counter()
             run(new)
-            sync(device)
+            sync()
             t1 = time.perf_counter()
             run(1)
-            sync(device)
+            sync()
             t2 = time.perf_counter()
             times[name]["full"].append(t1 - t0)
             times[name]["step"].append(max(t1 - t0 - (t2 - t1), 0.0) / max(new - 1, 1))
@@ -260,7 +257,7 @@ def attention_share(ours, ids, device: str, new: int = 8) -> str:
         with profile(activities=activities) as prof:
             for _ in range(new):
                 token = step(token, cache)[:, -1:].argmax(-1)
-            sync(device)
+            device_sync(device)()
     events = prof.key_averages()
     if device == "cuda":
         attn, total, sdpa = gpu_attention_time(events)

@@ -51,13 +51,15 @@ def round_robin(
     return {n: {"median": statistics.median(t), "best": min(t)} for n, t in times.items()}
 
 
-def device_sync(device: str) -> Callable[[], object] | None:
-    """``round_robin``'s ``sync`` for cases whose tensors are on ``device``: CUDA's synchronize
-    (a CUDA call returns before its kernels have run); None elsewhere (nothing runs later)."""
+def device_sync(device: str) -> Callable[[], object]:
+    """What waits for the work queued on ``device`` (``round_robin``'s ``sync``): CUDA's
+    synchronize (a CUDA call returns before its kernels have run); nothing elsewhere."""
     import torch
 
     device = torch.device(device)
-    return functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        return functools.partial(torch.cuda.synchronize, device)
+    return lambda: None
 
 
 def ratio_line(label: str, stats: dict, case: str, baseline: str) -> str:
