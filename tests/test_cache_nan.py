@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from attnlab.cache import DynamicCache, SlidingWindowCache, StaticCache, finite_slots
-from attnlab.functional._layout import propagate_nonfinite
+from attnlab.functional.nonfinite import propagate_nonfinite
 from attnlab.models import DecodeStep, LlamaConfig, LlamaModel
 from attnlab.nn import MultiHeadAttention
 
@@ -143,7 +143,7 @@ def test_the_decode_step_flags_what_it_writes():
 def test_the_row_check_equals_the_oracle(dtype, shapes):
     # the traced and GPU path: max |x| per row / kv head, then one finiteness test; values at
     # the dtype's largest must not overflow into a false NaN (max, never a sum)
-    from attnlab.functional._layout import nonfinite_rows
+    from attnlab.functional.nonfinite import nonfinite_rows
     from attnlab.reference.attention import _nonfinite_rows
 
     g = torch.Generator().manual_seed(3)

@@ -164,7 +164,7 @@ def test_only_masks_make_rows_dead(path):
 def test_the_screen_tells_an_overflowing_sum_from_a_nan_or_an_inf():
     # the eager screen sums each input in its own dtype: finite values may overflow the sum
     # (float16 from 65,504), which must not read as a NaN; a min and max decide then
-    from attnlab.functional._layout import all_finite
+    from attnlab.functional.nonfinite import all_finite
 
     big = torch.full((100,), 1000.0, dtype=torch.float16)
     assert big.sum().isinf() and all_finite(big)

@@ -45,6 +45,7 @@ _EXPORTS = {
     "StaticCache": "attnlab.cache",
     "SlidingWindowCache": "attnlab.cache",
     "additive_attention": "attnlab.functional",
+    "assume_finite": "attnlab.functional",
     "explain": "attnlab.functional",
     "hard_attention": "attnlab.functional",
     "masked_softmax": "attnlab.functional",

@@ -124,24 +124,28 @@ def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> No
 
 
 def _qkv_fit(query, key, value) -> bool:
-    """True when :func:`check_qkv` has nothing to say about 4-D CPU inputs (its hot case); False
-    means "run the checks", not "wrong"."""
+    """True when :func:`check_qkv` has nothing to say about 4-D inputs on the CPU or on one
+    CUDA device (its hot case, in ~1 us); False means "run the checks", not "wrong"."""
     T = torch.Tensor
     if not (isinstance(query, T) and isinstance(key, T) and isinstance(value, T)):
         return False
-    qs, ks, vs = query.shape, key.shape, value.shape
     if not (
-        len(qs) == 4
-        and len(ks) == 4
-        and len(vs) == 4
+        query.ndim == 4
+        and key.ndim == 4
+        and value.ndim == 4
         and query.is_floating_point()
         and key.dtype == query.dtype
         and value.dtype == query.dtype
-        and query.is_cpu
-        and key.is_cpu
-        and value.is_cpu
     ):
         return False
+    if not (query.is_cpu and key.is_cpu and value.is_cpu) and not (
+        query.is_cuda
+        and key.is_cuda
+        and value.is_cuda
+        and query.get_device() == key.get_device() == value.get_device()
+    ):
+        return False
+    qs, ks, vs = query.shape, key.shape, value.shape
     B, H, _, E = qs
     Bk, Hkv, S, Ek = ks
     return Ek == E and vs[0] == Bk == B and vs[1] == Hkv and vs[2] == S and Hkv > 0 and H % Hkv == 0
@@ -200,8 +204,9 @@ def check_mask(
     # broadcasts without enlarging: each of its dims (from the right) is 1 or the target's.
     # (Written out: torch.broadcast_shapes costs ~40 us a call, and ~0.6 s the first time.)
     tail = target[len(target) - attn_mask.dim() :]  # (dims already checked: <= len(target))
-    fits = all(m == 1 or m == t for m, t in zip(attn_mask.shape, tail, strict=True))
-    if not fits:
+    for m, t in zip(attn_mask.shape, tail, strict=True):  # (a loop: ~0.4 us less than all(...))
+        if m == 1 or m == t:
+            continue
         raise ValueError(
             f"{name} of shape {tuple(attn_mask.shape)} does not broadcast to the scores' shape "
             f"{target} (..., L, S). Fix: give it shape (L, S), (B, 1, L, S), (B, 1, 1, S) or any "

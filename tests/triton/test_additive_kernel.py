@@ -307,3 +307,22 @@ def test_the_readable_reference_is_the_oracle():
         is_causal="bottom_right",
     )  # fmt: skip
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-12)
+
+
+def test_under_assume_finite_the_kernel_skips_the_nan_rule(monkeypatch):
+    """``attnlab.assume_finite()``: the fused additive kernel's result is returned unchecked,
+    the same bit for bit for finite inputs."""
+    from attnlab.functional import nonfinite
+
+    q, k, v, w_q, w_k, w, b = (t.float() for t in make((2,), 19, 23, 8, 6, 5, 16))
+    want = AF.additive_attention(q, k, v, w_q, w_k, w, bias=b)
+
+    def check(*args, **kwargs):
+        raise AssertionError("the inputs were checked")
+
+    monkeypatch.setattr(nonfinite, "all_finite", check)
+    monkeypatch.setattr(nonfinite, "nonfinite_rows", check)
+    with AF.assume_finite():
+        assert AF.explain_additive(q, k, v, w_q, w_k, w, bias=b).path == "triton"
+        got = AF.additive_attention(q, k, v, w_q, w_k, w, bias=b)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

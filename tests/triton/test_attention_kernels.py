@@ -284,3 +284,27 @@ def test_decode_with_a_window_and_weights():
     ref_out, ref_w = oracle(q, k, v, m.as_subclass(torch.Tensor), None)
     assert err(out, ref_out) < 2e-6 and err(w, ref_w) < 1e-6
     assert (w[..., : 120 - 33] == 0).all()
+
+
+@pytest.mark.parametrize("mode", [True, "average"])
+def test_under_assume_finite_the_weights_kernel_skips_the_nan_rule(mode, monkeypatch):
+    """``attnlab.assume_finite()``: the Triton weights path neither screens the inputs nor
+    sets NaN log-sum-exps (the row check would cost a read of Q, K, V on a GPU), and finite
+    inputs give the same output and weights bit for bit."""
+    from attnlab.functional import nonfinite
+
+    q, k, v = inputs(*SHAPES[0])
+    mask = make_mask("bool", 2, 4, 37, 53)
+    assert attnlab.explain(q, k, v, mask, return_weights=mode).path == "triton"
+    want = attnlab.scaled_dot_product_attention(q, k, v, mask, return_weights=mode)
+
+    def check(*args, **kwargs):
+        raise AssertionError("the inputs were checked")
+
+    monkeypatch.setattr(nonfinite, "all_finite", check)
+    monkeypatch.setattr(nonfinite, "nonfinite_rows", check)
+    with attnlab.assume_finite():
+        assert "assumed finite" in str(attnlab.explain(q, k, v, mask, return_weights=mode))
+        got = attnlab.scaled_dot_product_attention(q, k, v, mask, return_weights=mode)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

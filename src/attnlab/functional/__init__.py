@@ -8,6 +8,7 @@ its specification.
 
 from attnlab.functional.additive import additive_attention, additive_scores, explain_additive
 from attnlab.functional.hard import hard_attention, hard_attention_weights
+from attnlab.functional.nonfinite import assume_finite, is_finite_assumed
 from attnlab.functional.rotary import apply_rotary, rotary_angles
 from attnlab.functional.scores import (
     concat_scores,
@@ -23,6 +24,7 @@ __all__ = [
     "additive_attention",
     "additive_scores",
     "apply_rotary",
+    "assume_finite",
     "attention",
     "concat_scores",
     "dot_product_scores",
@@ -31,6 +33,7 @@ __all__ = [
     "general_scores",
     "hard_attention",
     "hard_attention_weights",
+    "is_finite_assumed",
     "masked_softmax",
     "rotary_angles",
     "scaled_dot_product_attention",

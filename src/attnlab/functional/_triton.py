@@ -111,10 +111,10 @@ def run(
     applied already (else the caller applies it), by the Triton kernels.
 
     Weights by the second kernel: rows that a NaN or an inf reaches (the NaN rule,
-    :func:`attnlab.functional._layout.nonfinite_rows`) get a NaN log-sum-exp first, so that
+    :func:`attnlab.functional.nonfinite.nonfinite_rows`) get a NaN log-sum-exp first, so that
     the kernel writes them NaN itself: no second pass over the (B, H, L, S) weights.
     """
-    from attnlab.functional._layout import _fill_nan, rows_to_fill
+    from attnlab.functional.nonfinite import fill_nan, rows_to_fill
     from attnlab.kernels import triton_attention, triton_decode
 
     key_range, band = structure
@@ -136,7 +136,7 @@ def run(
         return out, None, False
     bad = rows_to_fill(q, k, v, kv_finite)  # (B, H, L, 1) or None
     if bad is not None:
-        out, lse = _fill_nan(out, bad), lse.masked_fill(bad[..., 0], float("nan"))
+        out, lse = fill_nan(out, bad), lse.masked_fill(bad[..., 0], float("nan"))
     average = return_weights == "average"
     weights = triton_attention.attention_weights(
         q, k, lse, mask, alignment, scale, key_range, average, buffer, band

@@ -31,7 +31,8 @@ import math
 import torch
 
 from attnlab._checks import broadcast_shapes, causal_alignment, check_floating, check_mask
-from attnlab.functional._layout import propagate_nonfinite, with_causal
+from attnlab.functional._layout import with_causal
+from attnlab.functional.nonfinite import propagate_nonfinite
 from attnlab.functional.sdpa import Dispatch
 from attnlab.functional.softmax import LOW_PRECISION, attention
 from attnlab.kernels import _triton
@@ -306,7 +307,9 @@ def explain_additive(
     if why is None:
         from attnlab.kernels import triton_additive
 
-        return Dispatch("triton", (triton_additive.describe(query, key, value, w_score),))
+        return Dispatch(
+            "triton", (triton_additive.describe(query, key, value, w_score),)
+        ).noting_assumption()
     A, L, S = w_score.shape[0], query.shape[-2], key.shape[-2]
     dtype = torch.float32 if query.dtype in LOW_PRECISION else query.dtype
     rows = min(L, _rows_per_chunk(query.new_empty((), dtype=dtype), S, A, CHUNK_BYTES))
@@ -318,7 +321,7 @@ def explain_additive(
             f"{CHUNK_BYTES / 2**20:g} MiB buffer, (..., L, S) scores stored, recomputed tanh in "
             "the backward",
         ),
-    )
+    ).noting_assumption()
 
 
 def _check_value(key, value) -> None:

@@ -26,9 +26,9 @@ from attnlab.functional._layout import (
     as_4d,
     grouped_scores,
     grouped_weighted_sum,
-    propagate_nonfinite,
     with_causal,
 )
+from attnlab.functional.nonfinite import propagate_nonfinite
 from attnlab.functional.softmax import LOW_PRECISION, apply_mask, masked_softmax
 from attnlab.masks import plain
 

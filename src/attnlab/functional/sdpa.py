@@ -57,10 +57,10 @@ from attnlab.functional._layout import (
     as_4d,
     grouped_scores,
     grouped_weighted_sum,
-    propagate_nonfinite,
     with_causal,
 )
 from attnlab.functional._weights import WeightsAttention, block_shape, weights_in_blocks
+from attnlab.functional.nonfinite import is_finite_assumed, propagate_nonfinite
 from attnlab.functional.softmax import LOW_PRECISION, masked_softmax
 from attnlab.masks import plain
 
@@ -83,6 +83,14 @@ class Dispatch:
 
     def __str__(self) -> str:
         return f"{self.path}: " + "; ".join(self.reasons)
+
+    def noting_assumption(self) -> Dispatch:
+        """This dispatch, with a last reason when :class:`~attnlab.functional.assume_finite`
+        skips the NaN rule's checks."""
+        if not is_finite_assumed():
+            return self
+        said = "inputs assumed finite (assume_finite): not checked for NaN/inf"
+        return Dispatch(self.path, (*self.reasons, said))
 
 
 _FUSED = Dispatch("fused", ("torch F.scaled_dot_product_attention",))
@@ -128,7 +136,7 @@ def _choose(
     triton: bool = True,
 ) -> Dispatch:
     """The path of a call; ``why=False`` skips writing the fused path's reasons (hot path)."""
-    if 0 in query.shape or 0 in key.shape[-2:]:
+    if not query.numel() or not key.numel():  # (an empty B, H, L or E empties the query)
         return Dispatch(
             "eager",
             (
@@ -260,7 +268,9 @@ def explain(
     structure = _triton.structure_of(attn_mask, query, key)
     attn_mask = plain(attn_mask)
     q, k, v, mask, _ = as_4d(query, key, value, attn_mask)
-    return _choose(q, k, mask, alignment, dropout_p, return_weights, v, structure)
+    return _choose(
+        q, k, mask, alignment, dropout_p, return_weights, v, structure
+    ).noting_assumption()
 
 
 def scaled_dot_product_attention(
@@ -386,8 +396,6 @@ def attention_with(
     buffer = None  # the caller's weights_out, as a (B, H or 1, L, S) view
     if weights_out is not None:
         buffer = _check_weights_out(weights_out, query, q, S, return_weights, dropout_p)
-    if scale is None:  # E = 0: every score is 0 whatever the scale (torch: the mean of values)
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
     if q.shape[1] == 0:  # H = 0 (and Hkv = 0): no heads, nothing to compute
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         weights = q.new_zeros(q.shape[0], 1 if return_weights == "average" else 0, L, S)
@@ -398,6 +406,8 @@ def attention_with(
     if log:
         logger.debug("scaled_dot_product_attention %s", decision)  # (dynamo cannot trace logging)
 
+    if scale is None and decision.path != "fused":  # (fused: torch's default, 1/sqrt(E) too)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0  # E = 0: every score is 0
     weights, screened = None, False
     if decision.path == "fused":
         out = _fused(q, k, v, mask, alignment, scale, dropout_p)
@@ -486,7 +496,9 @@ def _check_weights_out(buffer, query, q, S, return_weights, dropout_p) -> torch.
 
 
 def _fused(q, k, v, mask, alignment, scale, dropout_p):
-    """torch's fused kernel, with attnlab's mask and causal semantics."""
+    """torch's fused kernel, with attnlab's mask and causal semantics. ``scale`` None is
+    torch's default, ``1 / sqrt(E)`` computed in double as attnlab's other paths do (passing
+    the number instead costs torch ~0.5 us more a call at tiny shapes, measured)."""
     torch_causal = False
     if alignment is not None:
         L, S = q.shape[-2], k.shape[-2]
