@@ -5,7 +5,7 @@ The source keeps its reST habits; only the rendered reference changes:
 
 * ``Example:`` is read as griffe's ``Examples:`` section (doctest lines become code);
 * ``.. math:: ...`` (with its continuation lines) becomes a ``$$ ... $$`` display and
-  ``:math:`x``` inline math, for MathJax;
+  ``:math:`x``` inline math, typeset as MathML when the site builds (docs/hooks.py);
 * roles such as ``:func:`name``` become code (`` `name` ``);
 * a literal block introduced by ``::`` keeps its indentation (a code block in Markdown) and
   loses one colon, or the whole ``::`` when it stands alone;
