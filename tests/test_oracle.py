@@ -378,3 +378,23 @@ def test_additive_float32_against_control():
     control = torch.tanh((lo[0] @ lo[2].T)[:, :, None] + (lo[1] @ lo[3].T)[:, None]) @ lo[4]
     err, err_control = (np.abs(np64(x) - want).max() for x in (got, control))
     assert err <= 2 * err_control, (err, err_control)
+
+
+@pytest.mark.parametrize("scale", [-0.7, 0.0, 1e-30])
+@pytest.mark.parametrize("is_causal", [True, "bottom_right", "top_left"])
+def test_sdpa_causal_with_a_scale_that_is_not_positive(scale, is_causal):
+    """A scale <= 0 is a number like any other (scale=0: uniform weights over the keys a row
+    sees). torch's is_causal gives NaN for it; the fused path must not."""
+    shape = SHAPES[2] if is_causal is not True else SHAPES[1]
+    q, k, v = make_qkv(shape)
+    want = R.scaled_dot_product_attention(
+        np64(q), np64(k), np64(v), is_causal=is_causal, scale=scale, return_weights=True
+    )
+    for rw in (False, True):
+        got = AF.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal, scale=scale, return_weights=rw
+        )
+        assert_close_to_oracle(got[0] if rw else got, want[0])
+    out = AF.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=is_causal,
+                                          scale=scale)  # fmt: skip
+    assert torch.isfinite(out).all()

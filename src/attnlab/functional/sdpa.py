@@ -504,7 +504,8 @@ def _fused(q, k, v, mask, alignment, scale, dropout_p):
         L, S = q.shape[-2], k.shape[-2]
         if alignment == "bottom_right" and L == S:
             alignment = "top_left"  # the same triangle: let torch use its is_causal fast path
-        torch_causal = alignment == "top_left" and mask is None
+        # (torch's is_causal gives NaN for a scale <= 0: its triangle is -inf before the scale)
+        torch_causal = alignment == "top_left" and mask is None and (scale is None or scale > 0)
         if alignment == "bottom_right" and L == 1:
             alignment = None  # the last position sees every key
         if not torch_causal:
