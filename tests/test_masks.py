@@ -137,3 +137,22 @@ def test_explain_says_why_the_triton_kernels_do_not_serve_cpu_tensors():
     assert d.path == "fused" and "not the Triton kernels: CPU tensors" in str(d)
     d = attnlab.explain(q, q, q, return_weights=True)
     assert d.path == "weights" and "TRITON_INTERPRET=1" in str(d)
+
+
+def test_the_remembered_structure_is_dropped_when_the_mask_changes_in_place():
+    """Kernels skip key blocks from a mask's remembered structure (tests/triton/ checks the
+    results); once the mask is changed in place, in any way, it has none."""
+    for build in (
+        lambda: masks.padding_mask([5, 3]),
+        lambda: masks.sliding_window_mask(6, window=2),
+        lambda: masks.document_mask([2, 4]),
+    ):
+        m = build()
+        assert masks.structure(m) != (None, None)
+        clone = m.clone()  # (a plain tensor: no structure of its own)
+        assert masks.structure(clone) == (None, None)
+        m.view(-1)[0] = True  # a write through a view
+        assert masks.structure(m) == (None, None)
+        m = build()
+        m &= m  # same values, but written: the mask alone now says what it masks
+        assert masks.structure(m) == (None, None)

@@ -89,6 +89,27 @@ class Mask(torch.Tensor):
     __str__ = __repr__
 
 
+def _remember(mask: torch.Tensor, **structure) -> None:
+    """Attach to a :class:`Mask` the structure it was built from (``key_range``, ``band``), so
+    kernels that take it skip key blocks outside it instead of reading the mask. It holds
+    while the mask is unchanged: torch's version counter, which every in-place change of the
+    mask or of a view of it bumps, is recorded with it (:func:`structure`)."""
+    if isinstance(mask, Mask):
+        for name, value in structure.items():
+            setattr(mask, name, value)
+        mask._built_version = mask._version
+
+
+def structure(mask) -> tuple:
+    """``(key_range, band)`` remembered by a mask of this module (None for what it has not), or
+    ``(None, None)`` when it was changed in place since it was built: then only its values
+    tell what it masks."""
+    version = getattr(mask, "_built_version", None)
+    if version is None or mask._version != version:
+        return None, None
+    return getattr(mask, "key_range", None), getattr(mask, "band", None)
+
+
 def plain(mask: torch.Tensor | None) -> torch.Tensor | None:
     """``mask`` as a plain ``torch.Tensor`` (a :class:`Mask` unwrapped; anything else as is)."""
     return mask.as_subclass(torch.Tensor) if isinstance(mask, Mask) else mask
@@ -205,10 +226,10 @@ def sliding_window_mask(
     if causal:
         keep &= distance >= 0
     mask = Mask(keep)
-    if isinstance(mask, Mask):  # the structure, for kernels that skip blocks outside the band:
-        # key j may be attended by query i iff lo <= j - (i + offset) <= hi
-        offset = int(q_pos[0, 0]) if query_length else 0
-        mask.band = (offset, -(window - 1), 0 if causal else window - 1)
+    # the structure, for kernels that skip blocks outside the band: key j may be attended by
+    # query i iff lo <= j - (i + offset) <= hi
+    offset = int(q_pos[0, 0]) if query_length else 0
+    _remember(mask, band=(offset, -(window - 1), 0 if causal else window - 1))
     return mask
 
 
@@ -255,10 +276,9 @@ def padding_mask(
         start, end = max_length - lengths, torch.full_like(lengths, max_length)
     keep = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])  # (B, S)
     mask = Mask(keep[:, None, None, :])
-    if isinstance(mask, Mask):
-        # The structure, kept: kernels that take it skip the key blocks outside [start, end)
-        # instead of reading the mask (attnlab.explain says when).
-        mask.key_range = (start, end)
+    # The structure, kept: kernels that take it skip the key blocks outside [start, end)
+    # instead of reading the mask (attnlab.explain says when).
+    _remember(mask, key_range=(start, end))
     return mask
 
 
@@ -295,8 +315,7 @@ def document_mask(
     pos = torch.arange(len(doc), device=lengths.device)
     keep = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])  # (T, T)
     mask = Mask(keep)
-    if isinstance(mask, Mask):
-        mask.key_range = (start[None, :], end[None, :])  # (1, T): one range per query row
+    _remember(mask, key_range=(start[None, :], end[None, :]))  # (1, T): a range per query row
     return mask
 
 

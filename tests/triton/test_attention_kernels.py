@@ -308,3 +308,45 @@ def test_under_assume_finite_the_weights_kernel_skips_the_nan_rule(mode, monkeyp
         got = attnlab.scaled_dot_product_attention(q, k, v, mask, return_weights=mode)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _edits():
+    def setitem(m):
+        m[0, ..., 40:] = False
+
+    def through_view(m):
+        m.view(-1)[:5] = False  # a view shares the mask's storage and its version counter
+
+    def through_plain(m):
+        masks.plain(m)[..., 0] = False
+
+    return {"setitem": setitem, "view": through_view, "plain": through_plain,
+            "logical_not_": lambda m: m.logical_not_()}  # fmt: skip
+
+
+@pytest.mark.parametrize("edit", _edits())
+@pytest.mark.parametrize("kind", ["padding", "window", "documents"])
+def test_a_structured_mask_changed_in_place_is_read_as_it_now_is(kind, edit):
+    """A mask of attnlab.masks remembers the structure it was built from, and the Triton
+    kernels then skip key blocks outside it without reading the mask. Changed in place, the
+    structure no longer says what it masks: the kernels read its values, as the oracle does.
+    """
+    B, H, L, S = 2, 2, 50, 50
+    q, k, v = inputs(B, H, H, L, S, 8, 8)
+    m = {
+        "padding": lambda: masks.padding_mask([50, 23]),
+        "window": lambda: masks.sliding_window_mask(L, window=7),
+        "documents": lambda: masks.document_mask([20, 30]),
+    }[kind]()
+    assert masks.structure(m) != (None, None)
+    assert "skip" in str(attnlab.explain(q, k, v, m, return_weights=True))
+    _edits()[edit](m)
+    assert masks.structure(m) == (None, None)
+    assert "skip" not in str(attnlab.explain(q, k, v, m, return_weights=True))
+    for weights in (True, False):
+        got = attnlab.scaled_dot_product_attention(q, k, v, m, return_weights=weights)
+        want = oracle(q, k, v, masks.plain(m).clone(), None)
+        out = got[0] if weights else got
+        np.testing.assert_allclose(out.numpy(), want[0], rtol=1e-5, atol=1e-5)
+        if weights:
+            np.testing.assert_allclose(got[1].numpy(), want[1], rtol=1e-5, atol=1e-6)

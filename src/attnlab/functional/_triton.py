@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from attnlab import masks
 from attnlab.kernels import _triton
 
 
@@ -31,7 +32,7 @@ def structure_of(mask, query: torch.Tensor, key: torch.Tensor):
     (L, S)); (None, None) otherwise, and the mask is read as it is."""
     if mask is None:
         return None, None
-    key_range, band = getattr(mask, "key_range", None), getattr(mask, "band", None)
+    key_range, band = masks.structure(mask)  # (None, None) once the mask was changed in place
     if (key_range is None and band is None) or query.dim() != 4:
         return None, None
     B, L, S = query.shape[0], query.shape[-2], key.shape[-2]
