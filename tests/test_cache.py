@@ -220,3 +220,20 @@ def test_reset_keeps_fixed_storage_for_the_next_sequence_of_the_same_shape(kind)
         cache.reset()
         layer(x[:1], cache=cache)  # another batch size: new storage
         assert cache.batch_size == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("chunks", [[12], [5] + [1] * 7, [3, 4, 1, 2, 2]])
+def test_a_window_is_causal_through_a_cache_as_without_one(kind, chunks):
+    """A sliding window is causal (itself and the w - 1 positions before it) whether or not
+    the layer says is_causal. Chunks of several tokens through a cache let each query see the
+    later tokens of its own chunk before (row 0 of a prefill saw keys 1-3)."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(32, 4, num_kv_heads=2, sliding_window=WINDOW, layer_idx=0).eval()
+    assert not layer.is_causal
+    x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full, weights = layer(x, return_weights=True)
+        assert (weights.triu(1) == 0).all()  # without a cache: causal
+        cached = decode(layer, x, make_cache(kind), chunks)
+    torch.testing.assert_close(cached, full, rtol=0, atol=1e-6)

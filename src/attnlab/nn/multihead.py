@@ -283,8 +283,9 @@ class MultiHeadAttention(nn.Module):
         allowed = (k_pos >= 0)[None, :].expand(L, -1)  # (L, S)
         if causal:
             allowed = allowed & (k_pos[None, :] <= q_pos[:, None])
-        if self.sliding_window is not None:
-            allowed = allowed & (q_pos[:, None] - k_pos[None, :] < self.sliding_window)
+        if self.sliding_window is not None:  # causal: itself and the w - 1 positions before it
+            distance = q_pos[:, None] - k_pos[None, :]  # (L, S)
+            allowed = allowed & (distance >= 0) & (distance < self.sliding_window)
         mask = allowed if mask is None else mask & allowed
         return keys, values, mask, False
 
