@@ -398,3 +398,25 @@ def test_sdpa_causal_with_a_scale_that_is_not_positive(scale, is_causal):
     out = AF.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=is_causal,
                                           scale=scale)  # fmt: skip
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("return_weights", [True, "average"])
+@pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[3]])
+def test_sdpa_weights_of_projections_seen_as_heads(shape, return_weights, grad):
+    """Grouped-query heads from (B, L, H, E) projections seen as (B, H, L, E), a view that is
+    not contiguous, as every layer makes them: the weights path folds a kv group's query heads
+    into rows, which needs them contiguous (a RuntimeError from view() before)."""
+    q, k, v = make_qkv(shape)
+    q_view = q.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(grad)
+    assert not q_view.is_contiguous()
+    out, w = AF.scaled_dot_product_attention(q_view, k, v, return_weights=return_weights)
+    want_out, want_w = R.scaled_dot_product_attention(np64(q), np64(k), np64(v),
+                                                      return_weights=True)  # fmt: skip
+    assert_close_to_oracle(out, want_out)
+    assert_close_to_oracle(w, want_w.mean(1) if return_weights == "average" else want_w)
+    if grad:
+        out.sum().backward()
+        q2 = q.clone().requires_grad_()
+        AF.scaled_dot_product_attention(q2, k, v).sum().backward()
+        torch.testing.assert_close(q_view.grad, q2.grad, rtol=1e-10, atol=1e-12)

@@ -118,7 +118,7 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
         alignment = None  # the last position sees every key
     blocks = _Blocks(q, k, mask, alignment)
     scratch = q.new_empty(blocks.heads, blocks.rows, S) if average else None
-    qs = q * scale
+    qs = torch.mul(q, scale, out=q.new_empty(q.shape))  # contiguous, as folded blocks need
     for b, hs, rs, kv in blocks:
         h, r = hs.stop - hs.start, rs.stop - rs.start
         w = scratch[:h, :r] if average else weights[b, hs, rs]
