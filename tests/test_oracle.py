@@ -420,3 +420,60 @@ def test_sdpa_weights_of_projections_seen_as_heads(shape, return_weights, grad):
         q2 = q.clone().requires_grad_()
         AF.scaled_dot_product_attention(q2, k, v).sum().backward()
         torch.testing.assert_close(q_view.grad, q2.grad, rtol=1e-10, atol=1e-12)
+
+
+# (query lead, key lead, value lead): leading dims that broadcast, as the oracle's do
+BROADCAST_LEADS = [((2, 1), (2, 3), (2, 3)), ((2, 3), (1, 3), (1, 3)), ((2, 3), (2, 3), (2, 1)),
+                   ((), (), ()), ((4,), (4,), (1,))]  # fmt: skip
+
+
+@pytest.mark.parametrize("where", [None, "query", "key", "value"])
+@pytest.mark.parametrize("leads", BROADCAST_LEADS)
+def test_additive_attention_broadcasts_leading_dims_and_keeps_the_nan_rule(leads, where):
+    """Leading dims broadcast (a query of one head against keys of three, one key sequence
+    for every batch row, 2-D inputs); the NaN rule follows what each row reads. Before: a NaN
+    crashed 2-D inputs and a broadcast query, and a value of batch 2 for 4 score matrices was
+    read as grouped heads (matrix b taking value b // 2)."""
+    (lq, lk, lv), (L, S, D, Dv, A) = leads, (3, 5, 4, 2, 6)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(*lead, n, d, generator=g, dtype=F64)
+               for lead, n, d in ((lq, L, D), (lk, S, D), (lv, S, Dv)))  # fmt: skip
+    w_q, w_k, w_s = (torch.randn(*s, generator=g, dtype=F64) for s in ((A, D), (A, D), (A,)))
+    t = {"query": q, "key": k, "value": v}.get(where)
+    if t is not None:
+        t.view(-1)[1] = float("nan")
+    got = AF.additive_attention(q, k, v, w_q, w_k, w_s, return_weights=True)
+    want = R.additive_attention(*(np64(x) for x in (q, k, v, w_q, w_k, w_s)), return_weights=True)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(a.isnan().numpy(), np.isnan(b))
+        assert_close_to_oracle(torch.nan_to_num(a), np.nan_to_num(b))
+
+
+def test_a_value_that_does_not_match_the_scores_is_refused():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(4, 3, 6, generator=g), torch.randn(4, 5, 7, generator=g), None
+    w_q, w_k, w_s = torch.randn(8, 6), torch.randn(8, 7), torch.randn(8)
+    for v in (torch.randn(2, 5, 2), torch.randn(2, 4, 5, 2)):
+        with pytest.raises(ValueError, match="value .* must have leading dims") as info:
+            AF.additive_attention(q, k, v, w_q, w_k, w_s)
+        assert "(4, 5, 2)" in str(info.value)  # the fix names the shape wanted
+    with pytest.raises(ValueError, match="batch size B=4, or 1"):
+        AF.attention(torch.randn(4, 3, 5), torch.randn(2, 5, 2))
+
+
+def test_the_oracle_takes_five_dims_with_grouped_heads_and_no_keys():
+    """(..., B, H, L, E) with Hkv > 1 and S = 0 are inputs the torch functions take; the
+    specification must take them too (it raised, or gave an empty array, before)."""
+    q, k, v = make_qkv((2, 6, 2, 4, 9, 8, 3))
+    q5, k5, v5 = (t.reshape(2, 1, *t.shape[1:]).expand(2, 3, *t.shape[1:]) for t in (q, k, v))
+    want = R.scaled_dot_product_attention(np64(q5), np64(k5), np64(v5), is_causal="bottom_right")
+    for i in range(3):  # each slice of the extra dim is the 4-D call
+        want4 = R.scaled_dot_product_attention(np64(q), np64(k), np64(v), is_causal="bottom_right")
+        np.testing.assert_allclose(want[:, i], want4, rtol=0, atol=0)
+    got = AF.scaled_dot_product_attention(q5, k5, v5, is_causal="bottom_right")
+    assert_close_to_oracle(got, want)
+    k0, v0 = k[:, :, :0], v[:, :, :0]  # S = 0: no key to attend, output 0, weights (.., L, 0)
+    out, w = R.scaled_dot_product_attention(np64(q), np64(k0), np64(v0), return_weights=True)
+    assert out.shape == (2, 6, 4, 3) and (out == 0).all() and w.shape == (2, 6, 4, 0)
+    assert_close_to_oracle(AF.scaled_dot_product_attention(q, k0, v0), out)

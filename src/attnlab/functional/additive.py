@@ -259,8 +259,10 @@ def additive_attention(
             out = _fused(
                 query, key, value, w_query, w_key, w_score, attn_mask, bias, lead, alignment
             )
-            return propagate_nonfinite(query, key, value, out)[0].to(query.dtype)
+            q, k, v = _broadcast(lead, query, key, value)
+            return propagate_nonfinite(q, k, v, out)[0].to(query.dtype)
     scores = _scores(query, key, w_query, w_key, w_score, bias)  # (..., L, S)
+    query, key, value = _broadcast(scores.shape[:-2], query, key, value)
     L, S = scores.shape[-2], scores.shape[-1]
     alignment = causal_alignment(is_causal, L, S)
     if attn_mask is not None:
@@ -331,6 +333,24 @@ def _check_value(key, value) -> None:
             f"key and value must have the same length S; got key {tuple(key.shape)} and value "
             f"{tuple(value.shape)}. Fix: every key needs exactly one value."
         )
+
+
+def _broadcast(lead, query, key, value):
+    """query, key and value expanded to the scores' leading dims ``lead`` (views): what each
+    score row reads, for the NaN rule, and one value sequence per score matrix. A value whose
+    leading dims would enlarge them is refused."""
+    try:
+        fits = broadcast_shapes(value.shape[:-2], lead) == tuple(lead)
+    except RuntimeError:
+        fits = False
+    if not fits or value.dim() != key.dim():
+        raise ValueError(
+            f"value (..., S, Dv) must have leading dims that broadcast to those of query and "
+            f"key together, {tuple(lead)}; got value {tuple(value.shape)} for query "
+            f"{tuple(query.shape)} and key {tuple(key.shape)}. Fix: one value sequence per key "
+            f"sequence, e.g. value of shape {(*lead, key.shape[-2], value.shape[-1])}."
+        )
+    return tuple(t.expand(*lead, *t.shape[-2:]) for t in (query, key, value))
 
 
 def _check_devices(query, **tensors) -> None:

@@ -139,7 +139,9 @@ def propagate_nonfinite(query, key, value, out, weights=None, kv_finite=None):
         return out, weights
     out = fill_nan(out, bad)
     if weights is not None:
-        weights = fill_nan(weights, bad.any(-3, keepdim=True) if weights.shape[-3] == 1 else bad)
+        if weights.dim() >= 3 and bad.dim() >= 3 and weights.shape[-3] == 1 < bad.shape[-3]:
+            bad = bad.any(-3, keepdim=True)  # weights averaged over heads: any head's row
+        weights = fill_nan(weights, bad)
     return out, weights
 
 

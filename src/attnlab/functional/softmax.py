@@ -111,6 +111,12 @@ def attention(
             f"value (B, Hkv, S, Ev) must have the scores' batch size and Hkv dividing H: got "
             f"scores {tuple(scores.shape)} and value {tuple(value.shape)}."
         )
+    if scores.dim() == 3 and value.shape[0] not in (1, scores.shape[0]):
+        raise ValueError(  # (4-D below would read it as kv heads: batch b taking value b // G)
+            f"value (B, S, Ev) must have the scores' batch size B={scores.shape[0]}, or 1 to "
+            f"share one value sequence; got scores {tuple(scores.shape)} and value "
+            f"{tuple(value.shape)}. Fix: pass one value sequence per score matrix."
+        )
     if attn_mask is not None:
         check_mask(attn_mask, tuple(scores.shape), device=scores.device)
     weights = masked_softmax(scores, attn_mask)

@@ -35,8 +35,8 @@ def masked_softmax(scores, mask=None, dim=-1):
     # Masked keys get weight 0; a row with no attendable key gets weight 0 everywhere.
     x = np.moveaxis(_apply_mask(_f64(scores), mask), dim, -1)
     # does the row see any key? Only masks make a row dead: a NaN keeps it alive, and NaN
-    alive = (x != -np.inf).any(axis=-1, keepdims=True)
-    shift = np.where(alive, x.max(axis=-1, keepdims=True), 0.0)  # for exp's sake only
+    alive = (x != -np.inf).any(axis=-1, keepdims=True)  # (S = 0: no key, a dead row)
+    shift = np.where(alive, x.max(axis=-1, keepdims=True, initial=-np.inf), 0.0)  # for exp
     e = np.exp(x - shift)  # exp(-inf) = 0 for masked keys
     total = e.sum(axis=-1, keepdims=True)
     weights = np.where(alive, e / np.where(alive, total, 1.0), 0.0)
@@ -44,10 +44,16 @@ def masked_softmax(scores, mask=None, dim=-1):
 
 
 def _repeat_kv(x, query_heads):
-    # [B, Hkv, S, E] -> [B, H, S, E]: kv head j serves query heads j*G .. j*G + G-1
-    if x.ndim < 4:
+    # [..., Hkv, S, E] -> [..., H, S, E]: kv head j serves query heads j*G .. j*G + G-1
+    # (inputs without a heads dim, or with as many heads, or one to broadcast: as they are)
+    if x.ndim < 4 or not 1 < x.shape[-3] < query_heads:
         return x
     return np.repeat(x, query_heads // x.shape[-3], axis=-3)
+
+
+def _heads(x):
+    # the heads dim H of [..., H, L, E] (1 for [B, L, E] and [L, E], which have none)
+    return x.shape[-3] if x.ndim >= 4 else 1
 
 
 def _dropout(weights, dropout_p):
@@ -60,7 +66,7 @@ def _dropout(weights, dropout_p):
 def attention(scores, value, attn_mask=None, *, dropout_p=0.0, return_weights=False):
     # [..., H, L, S], [..., Hkv, S, Ev] -> [..., H, L, Ev] (and weights [..., H, L, S])
     weights = _dropout(masked_softmax(scores, attn_mask), dropout_p)
-    value = _repeat_kv(_f64(value), weights.shape[-3] if weights.ndim == 4 else 1)
+    value = _repeat_kv(_f64(value), _heads(weights))
     out = weights @ value
     return (out, weights) if return_weights else out
 
@@ -68,7 +74,7 @@ def attention(scores, value, attn_mask=None, *, dropout_p=0.0, return_weights=Fa
 def dot_product_scores(query, key):
     # [..., H, L, E], [..., Hkv, S, E] -> [..., H, L, S]: s_ij = q_i . k_j
     query, key = _f64(query), _f64(key)
-    key = _repeat_kv(key, query.shape[-3] if query.ndim == 4 else 1)
+    key = _repeat_kv(key, _heads(query))
     return query @ np.swapaxes(key, -1, -2)
 
 
@@ -114,9 +120,8 @@ def _nonfinite_rows(query, key, value):
     query, key, value = _f64(query), _f64(key), _f64(value)
     bad_q = ~np.isfinite(query).all(axis=-1, keepdims=True)
     kv_ok = np.isfinite(key).all(axis=(-2, -1)) & np.isfinite(value).all(axis=(-2, -1))
-    if query.ndim == 4 and key.ndim == 4:
-        kv_ok = np.repeat(kv_ok, query.shape[1] // max(1, key.shape[1]), axis=1)
-    return bad_q | ~kv_ok[..., None, None]
+    kv_ok = _repeat_kv(kv_ok[..., None, None], _heads(query))  # [..., Hkv, 1, 1] -> [..., H, 1, 1]
+    return bad_q | ~kv_ok
 
 
 def _propagate(out, weights, bad):
@@ -246,7 +251,7 @@ def hard_attention(
     weights = hard_attention_weights(
         scores, mask, mode=mode, top_k=top_k, tau=tau, noise=noise, generator=generator
     )
-    out = weights @ _repeat_kv(_f64(value), weights.shape[-3] if weights.ndim == 4 else 1)
+    out = weights @ _repeat_kv(_f64(value), _heads(weights))
     out, weights = _propagate(out, weights, _nonfinite_rows(query, key, value))
     return (out, weights) if return_weights else out
 
