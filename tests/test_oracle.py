@@ -477,3 +477,18 @@ def test_the_oracle_takes_five_dims_with_grouped_heads_and_no_keys():
     out, w = R.scaled_dot_product_attention(np64(q), np64(k0), np64(v0), return_weights=True)
     assert out.shape == (2, 6, 4, 3) and (out == 0).all() and w.shape == (2, 6, 4, 0)
     assert_close_to_oracle(AF.scaled_dot_product_attention(q, k0, v0), out)
+
+
+@pytest.mark.parametrize("layout", [4, 3])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_sdpa_with_a_key_mask_of_one_dim(kind, layout):
+    """A (S,) mask broadcasts to the scores as any other; torch's kernel wants two dims (the
+    fused path raised its IndexError before)."""
+    q, k, v = make_qkv(SHAPES[2], layout=layout)
+    g = torch.Generator().manual_seed(4)
+    keep = torch.rand(9, generator=g) > 0.4
+    mask = keep if kind == "bool" else torch.zeros(9, dtype=F64).masked_fill(~keep, -torch.inf)
+    want = R.scaled_dot_product_attention(np64(q), np64(k), np64(v), np64(mask))
+    for rw in (False, True):
+        got = AF.scaled_dot_product_attention(q, k, v, mask, return_weights=rw)
+        assert_close_to_oracle(got[0] if rw else got, want)

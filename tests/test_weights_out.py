@@ -75,3 +75,19 @@ def test_weights_out_misuse_is_refused():
             return_weights=True,
             weights_out=torch.empty(2, 4, 5, 7, dtype=q.dtype),
         )
+
+
+@pytest.mark.parametrize("return_weights", [True, "average"])
+def test_weights_out_has_the_shape_of_the_weights_it_stands_for_with_one_head(return_weights):
+    """With H = 1, per-head weights are (B, 1, L, S) and averaged ones (B, L, S): weights_out
+    takes the shape the call returns without it (per head, it asked for (B, L, S) before)."""
+    q, k, v, _ = inputs()
+    q, k, v = q[:, :1], k[:, :1], v[:, :1]
+    with torch.no_grad():
+        out, want = AF.scaled_dot_product_attention(q, k, v, return_weights=return_weights)
+        buf = torch.empty_like(want)
+        got_out, got = AF.scaled_dot_product_attention(q, k, v, return_weights=return_weights,
+                                                       weights_out=buf)  # fmt: skip
+    assert got is buf and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_out, out, rtol=0, atol=0)

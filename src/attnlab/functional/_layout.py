@@ -37,6 +37,8 @@ def as_4d(
     (B, H, L, S) the same way.
     """
     nd = query.dim()
+    if attn_mask is not None and attn_mask.dim() < 2:  # (S,) or a scalar: (1, S) for torch's
+        attn_mask = attn_mask.reshape(1, -1)
     if nd == 4:
         return query, key, value, attn_mask, _same
     if attn_mask is not None:  # (..., L, S) -> as many dims as the scores

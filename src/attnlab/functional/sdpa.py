@@ -464,7 +464,8 @@ def _check_weights_out(buffer, query, q, S, return_weights, dropout_p) -> torch.
     """Validate a caller's weights buffer; return it as a (B, H or 1, L, S) view."""
     B, H, L, _ = q.shape
     heads = 1 if return_weights == "average" else H
-    shape = (*query.shape[:-3], L, S) if heads == 1 and query.dim() >= 4 else (*query.shape[:-1], S)
+    average = return_weights == "average" and query.dim() >= 4  # (B, L, S): no heads dim
+    shape = (*query.shape[:-3], L, S) if average else (*query.shape[:-1], S)
     if not return_weights:
         raise ValueError("weights_out is only used with return_weights=True or 'average'.")
     if dropout_p > 0 or _needs_grad(query):
