@@ -492,3 +492,33 @@ def test_sdpa_with_a_key_mask_of_one_dim(kind, layout):
     for rw in (False, True):
         got = AF.scaled_dot_product_attention(q, k, v, mask, return_weights=rw)
         assert_close_to_oracle(got[0] if rw else got, want)
+
+
+@pytest.mark.parametrize("mode", ["argmax", "topk"])
+def test_hard_attention_breaks_ties_to_the_lower_index_as_the_oracle(mode):
+    """Equal scores (identical padding embeddings, E = 0) keep the first keys, as the oracle's
+    stable sort does; torch's topk picked others among ties (here keys 3-5 of 6)."""
+    q, k = torch.ones(1, 1, 2, 4, dtype=F64), torch.ones(1, 1, 6, 4, dtype=F64)
+    v = torch.arange(6, dtype=F64).reshape(1, 1, 6, 1)
+    kw = {"top_k": 3} if mode == "topk" else {}
+    got_out, got_w = AF.hard_attention(q, k, v, mode=mode, return_weights=True, **kw)
+    want_out, want_w = R.hard_attention(np64(q), np64(k), np64(v), mode=mode,
+                                        return_weights=True, **kw)  # fmt: skip
+    np.testing.assert_array_equal(got_w.numpy(), want_w)
+    np.testing.assert_array_equal(got_out.numpy(), want_out)
+    assert (got_w[..., :3] > 0).all() if mode == "topk" else (got_w[..., 0] == 1).all()
+
+
+@pytest.mark.parametrize("mode", ["argmax", "sample", "topk"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_hard_weights_of_a_row_holding_nan_or_inf_are_nan_in_both(mode, bad):
+    scores = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(2), dtype=F64)
+    scores[0, 1, 2] = bad
+    kw = {"top_k": 2} if mode == "topk" else {}
+    if mode == "sample":
+        kw["noise"] = torch.zeros_like(scores)
+    got = AF.hard_attention_weights(scores, mode=mode, **kw)
+    want = R.hard_attention_weights(np64(scores), mode=mode,
+                                    **{n: np64(x) if n == "noise" else x for n, x in kw.items()})  # fmt: skip
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=0)  # (NaN where NaN)
+    assert got[0, 1].isnan().all() and torch.isfinite(got[1]).all()

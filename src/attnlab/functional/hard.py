@@ -90,7 +90,10 @@ def hard_attention_weights(
                 f"mode='topk' needs top_k, an int >= 1 (keys kept per query); got {top_k!r}."
             )
         k = min(top_k, x.shape[-1])
-        keep = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, x.topk(k, -1).indices, True)
+        # the k largest, ties to the lower index (a stable sort; topk's pick among ties is
+        # its own); a NaN sorts first, and its row is NaN
+        best = x.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+        keep = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, best, True)
         return masked_softmax(x, keep).to(scores.dtype)
     if top_k is not None:
         raise ValueError(f"top_k is only used with mode='topk'; got mode={mode!r}.")

@@ -212,20 +212,24 @@ def hard_attention_weights(
     noise=None,
     generator=None,
 ):
-    # [..., L, S] -> [..., L, S]
+    # [..., L, S] -> [..., L, S]; ties go to the lower index; a row holding a NaN or a +inf
+    # score is NaN, as masked_softmax's (a NaN is never turned into a choice)
     x = _apply_mask(_f64(scores), attn_mask)
+    nonfinite = (np.isnan(x) | (x == np.inf)).any(axis=-1, keepdims=True)
     if mode == "argmax":  # the best key
-        return _one_hot_argmax(x)
-    if mode == "sample":  # a key drawn from softmax(x): argmax of x + Gumbel noise
+        weights = _one_hot_argmax(x)
+    elif mode == "sample":  # a key drawn from softmax(x): argmax of x + Gumbel noise
         if noise is None:
             noise = (generator or np.random.default_rng()).gumbel(size=x.shape)
-        return _one_hot_argmax((x + _f64(noise)) / tau)
-    if mode == "topk":  # softmax over the top_k best keys only
+        weights = _one_hot_argmax((x + _f64(noise)) / tau)
+    elif mode == "topk":  # softmax over the top_k best keys only
         best = np.argsort(-x, axis=-1, kind="stable")[..., :top_k]
         keep = np.zeros(x.shape, dtype=bool)
         np.put_along_axis(keep, best, True, axis=-1)
-        return masked_softmax(x, keep)
-    raise ValueError(f"mode must be 'argmax', 'sample' or 'topk'; got {mode!r}")
+        weights = masked_softmax(x, keep)
+    else:
+        raise ValueError(f"mode must be 'argmax', 'sample' or 'topk'; got {mode!r}")
+    return np.where(nonfinite, np.nan, weights)
 
 
 def hard_attention(
