@@ -518,7 +518,7 @@ def test_hard_weights_of_a_row_holding_nan_or_inf_are_nan_in_both(mode, bad):
     if mode == "sample":
         kw["noise"] = torch.zeros_like(scores)
     got = AF.hard_attention_weights(scores, mode=mode, **kw)
-    want = R.hard_attention_weights(np64(scores), mode=mode,
-                                    **{n: np64(x) if n == "noise" else x for n, x in kw.items()})  # fmt: skip
+    kw64 = {n: np64(x) if n == "noise" else x for n, x in kw.items()}
+    want = R.hard_attention_weights(np64(scores), mode=mode, **kw64)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=0)  # (NaN where NaN)
     assert got[0, 1].isnan().all() and torch.isfinite(got[1]).all()
