@@ -172,6 +172,10 @@ class _Plan:
         else:  # one batch row, some heads
             self.batches, self.heads = 1, max(1, BLOCK_BYTES // per_head)
         self.scale, self.scale2 = scale, scale * LOG2E  # 2^(x log2 e) = e^x: exp2 is ~2x faster
+        # dK sums dS^T qb: in float32 qb is the scores' log2(e) s Q, taken back out at the end;
+        # with bf16 products it is s Q / (1 - p), so that a one-block dK is rounded once only
+        # (a factor after a bf16 GEMM rounds it twice: 1.4x the naive formula's error)
+        self.dk_factor = 1.0 if self.mm_dtype != self.dtype else LN2 / (1.0 - dropout_p)
         self.p, self.seed = dropout_p, seed
         self.mask = _mask5(mask, self)
 
@@ -289,7 +293,7 @@ class _Plan:
                 continue
             R = G * (r1 - r0)
             lse_b = lse2[bs, js, :, r0:r1].reshape(-1, R, 1)  # (n, G*R, 1)
-            D_b = D[bs, js, :, r0:r1].reshape(-1, R, 1)
+            D_b = None if D is None else D[bs, js, :, r0:r1].reshape(-1, R, 1)
             s, qb = self.scores(bs, js, r0, r1, kmax, scratch, shift=lse_b)
             P = s.exp2_()  # (n, G*R, kmax)
             dob = do[bs, js, :, r0:r1].reshape(-1, R, Ev)  # (n, G*R, Ev)
@@ -304,20 +308,30 @@ class _Plan:
             else:
                 _accumulate(dv_blk, W.transpose(1, 2), dob)  # += (P Z)^T dO
             dp = scratch_view(scratch, "dp", P.shape, mm)
-            if p > 0 or mm != self.dtype:
-                dp = torch.bmm(dob, vb.transpose(1, 2), out=dp).to(self.dtype)  # dO V^T
-                dp = dp.mul_(keep).sub_(D_b) if p > 0 else dp.sub_(D_b)
+            if mm != self.dtype:  # bf16 products: dP = dO V^T is rounded; D is its own row sum
+                dp = torch.bmm(dob, vb.transpose(1, 2), out=dp).to(self.dtype)
+                dS = (dp.mul_(keep) if p > 0 else dp).mul_(P)  # P * dP (kept)
+                # D = sum_j P_ij dP_ij of this rounded dP (a block holds whole rows), not dO . O
+                # of the rounded output: each row of dS then sums to 0, as the naive formula's
+                # does; D from the output made dQ, dK 1.2-1.4x the naive error (median)
+                dS.addcmul_(P, dS.sum(-1, keepdim=True), value=-1.0)  # P * (dP - D)
+            elif p > 0:
+                dp = torch.bmm(dob, vb.transpose(1, 2), out=dp).mul_(keep).sub_(D_b)
+                dS = dp.mul_(P)  # P * (dP - D)
             else:  # dO V^T - D in one GEMM
                 dp = torch.baddbmm(D_b.neg().expand(dp.shape), dob, vb.transpose(1, 2), out=dp)
-            dS = dp.mul_(P)  # P * (dP - D)
+                dS = dp.mul_(P)  # P * (dP - D)
             dS_mm = dS.to(mm)
             dq_b = torch.bmm(dS_mm, kb).mul_(self.scale / (1.0 - p))
             dq[bs, js, :, r0:r1] = dq_b.view(shape5)
             dk_blk = dk[bs, js, :kmax].view(-1, kmax, E)
+            if mm != self.dtype:  # bf16: dS^T (s Q / (1 - p)) is dK itself, rounded once
+                qb = torch.mul(self.q[bs, js, :, r0:r1], self.scale / (1.0 - p))
+                qb = qb.view(-1, R, E)  # (n, G*R, E)
             if once:
                 dk_blk.add_(torch.bmm(dS_mm.transpose(1, 2), qb))
             else:
-                _accumulate(dk_blk, dS.transpose(1, 2), qb)  # += dS^T (log2(e) s Q)
+                _accumulate(dk_blk, dS.transpose(1, 2), qb)  # += dS^T qb
 
 
 def _accumulate(dst, a, b):
@@ -371,8 +385,10 @@ def _backward(dout, q, k, v, out, lse, mask, alignment, scale, dropout_p, seed):
     acc = plan.dtype
     lse2 = (lse * LOG2E).view(B, Hkv, G, L)
     do = dout.to(plan.mm_dtype).reshape(B, Hkv, G, L, Ev)  # (B, H, L, Ev) -> 5-D
-    D = (do.to(acc) * out.to(acc).view(B, Hkv, G, L, Ev)).sum(-1)  # rowsum(dO * O)
-    D.mul_(1.0 - plan.p)  # (see backward_group)
+    D = None  # rowsum(dO * O) (bf16 products: each block sums its own, see backward_group)
+    if plan.mm_dtype == plan.dtype:
+        D = (do.to(acc) * out.to(acc).view(B, Hkv, G, L, Ev)).sum(-1)
+        D.mul_(1.0 - plan.p)  # (see backward_group)
     dq = torch.empty(B, Hkv, G, L, E, dtype=acc)
     dk = torch.zeros(B, Hkv, S, E, dtype=acc)
     dv = torch.zeros(B, Hkv, S, Ev, dtype=acc)
@@ -382,7 +398,7 @@ def _backward(dout, q, k, v, out, lse, mask, alignment, scale, dropout_p, seed):
     )
     return (
         dq.view(B, plan.H, L, E).to(q.dtype),
-        dk.mul_(LN2 / (1.0 - plan.p)).to(k.dtype),  # qb carried log2(e): take it back out
+        dk.mul_(plan.dk_factor).to(k.dtype),
         dv.mul_(1.0 / (1.0 - plan.p)).to(v.dtype),
     )
 
