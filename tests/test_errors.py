@@ -214,3 +214,36 @@ def test_broadcast_shapes_is_torchs():
             continue
         assert broadcast_shapes(a, b) == want, (a, b)
     assert broadcast_shapes((2, 1), (3, 1, 4), (1, 1)) == (3, 2, 4)
+
+
+def test_the_fast_check_accepts_nothing_the_full_checks_refuse(monkeypatch):
+    """check_qkv answers its hot case (4-D, one dtype, one device) without the full checks;
+    over shapes, dtypes, dims and devices around it, what it accepts the full checks accept."""
+    import itertools
+
+    from attnlab import _checks
+
+    fast = _checks._qkv_fit
+    shapes = [(2, 4, 3, 8), (2, 2, 5, 8), (2, 2, 5, 6), (1, 2, 5, 8), (2, 3, 5, 8), (2, 0, 5, 8),
+              (2, 4, 5, 8), (2, 4, 3), (4, 3, 8)]  # fmt: skip
+    accepted = refused = 0
+    for (qs, ks, vs), (qd, kd) in itertools.product(
+        itertools.product(shapes, repeat=3),
+        [
+            (torch.float32, torch.float32),
+            (torch.float32, torch.float16),
+            (torch.int64, torch.int64),
+        ],  # fmt: skip
+    ):
+        q, k, v = torch.zeros(qs, dtype=qd), torch.zeros(ks, dtype=kd), torch.zeros(vs, dtype=kd)
+        for device in (None, "meta"):
+            if device:
+                v = v.to(device)
+            if not fast(q, k, v):
+                refused += 1
+                continue
+            accepted += 1
+            monkeypatch.setattr(_checks, "_qkv_fit", lambda *args: False)
+            _checks.check_qkv(q, k, v)  # the full checks: must not raise
+            monkeypatch.setattr(_checks, "_qkv_fit", fast)
+    assert accepted >= 19 and refused > 1000, (accepted, refused)  # (19 fit, as written)

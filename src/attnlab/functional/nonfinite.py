@@ -134,6 +134,8 @@ def propagate_nonfinite(query, key, value, out, weights=None, kv_finite=None):
     :func:`nonfinite_rows` (with it, only the query is screened: a decode step against a cache
     reads the cache once, for attention itself).
     """
+    if _assumed:  # (rows_to_fill says so too; this spares a call on the hot path)
+        return out, weights
     bad = rows_to_fill(query, key, value, kv_finite)
     if bad is None:
         return out, weights

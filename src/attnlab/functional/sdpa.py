@@ -443,7 +443,7 @@ def attention_with(
 def _finish(out, weights, return_weights, restore, ndim):
     """(B, H, L, Ev) output and (B, H or 1, L, S) weights -> the user's layout and return."""
     if not return_weights:
-        return restore(out)
+        return out if ndim == 4 else restore(out)
     if return_weights == "average":  # (B, 1, L, S) -> (B, L, S), in the user's layout
         return restore(out), restore(weights).squeeze(-3) if ndim >= 4 else restore(weights)
     return restore(out), restore(weights)
