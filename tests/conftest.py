@@ -57,6 +57,32 @@ def naive_sdpa(q, k, v, mask=None, scale=None):
     return w @ v
 
 
+def qkv(B=2, H=4, Hkv=2, L=5, S=7, E=8, Ev=8, dtype=torch.float32, seed=0):
+    """Random (B, H, L, E) query, (B, Hkv, S, E) key, (B, Hkv, S, Ev) value."""
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(B, H, L, E, generator=g, dtype=dtype),
+        torch.randn(B, Hkv, S, E, generator=g, dtype=dtype),
+        torch.randn(B, Hkv, S, Ev, generator=g, dtype=dtype),
+    )
+
+
+class Graphs:
+    """A torch.compile backend that keeps the graphs it is given (then runs aot_eager)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    def targets(self):
+        return {str(n.target) for gm in self.graphs for n in gm.graph.nodes}
+
+
 def pytest_sessionfinish(session, exitstatus):
     """With ATTNLAB_NO_SKIPS=1 (set by CI) a skipped test fails the run: in CI every optional
     dependency is installed, so a skip can only mean something is missing."""

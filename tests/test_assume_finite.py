@@ -16,6 +16,7 @@ import attnlab.functional as AF
 from attnlab.cache import DynamicCache
 from attnlab.functional import nonfinite
 from attnlab.functional.sdpa import attention_with
+from conftest import Graphs, qkv
 
 nan = float("nan")
 
@@ -26,15 +27,6 @@ def _default_mode():
     AF.assume_finite(False)
     yield
     AF.assume_finite(False)
-
-
-def qkv(B=2, H=4, Hkv=2, L=5, S=7, E=8, Ev=8, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(B, H, L, E, generator=g, dtype=dtype),
-        torch.randn(B, Hkv, S, E, generator=g, dtype=dtype),
-        torch.randn(B, Hkv, S, Ev, generator=g, dtype=dtype),
-    )
 
 
 MASK = torch.rand(5, 7, generator=torch.Generator().manual_seed(3)) > 0.3
@@ -190,19 +182,6 @@ def test_a_cache_records_nonfinite_slots_under_the_promise():
     out = attention_with(q, keys, values, kv_finite=cache.kv_finite(0))
     assert out[1, :2].isnan().all() and torch.isfinite(out[0]).all()
     assert torch.isfinite(out[1, 2:]).all()
-
-
-class Graphs:
-    """A torch.compile backend that keeps the graphs it is given (then runs aot_eager)."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        from torch._dynamo.backends.registry import lookup_backend
-
-        self.graphs.append(gm)
-        return lookup_backend("aot_eager")(gm, example_inputs)
 
 
 def test_a_compiled_graph_follows_the_mode():

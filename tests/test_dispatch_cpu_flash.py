@@ -9,6 +9,7 @@ import torch
 import attnlab.functional as AF
 from attnlab.functional import sdpa
 from attnlab.kernels import choice
+from conftest import Graphs
 
 
 def qkv(dtype=torch.float32, grad=False, seed=0):
@@ -187,22 +188,6 @@ def test_the_traced_choice_is_marked_as_torch_marks_a_constant_result():
     torch.compiler.assume_constant_result(probe)
     marks = {name for name in vars(probe) if "dynamo" in name}
     assert marks and all(getattr(sdpa._blocked_in_graph, name) for name in marks)
-
-
-class Graphs:
-    """A torch.compile backend that keeps the graphs it is given (then runs aot_eager)."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        from torch._dynamo.backends.registry import lookup_backend
-
-        self.graphs.append(gm)
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-    def targets(self):
-        return {str(n.target) for gm in self.graphs for n in gm.graph.nodes}
 
 
 def test_compiled_dropout_runs_the_kernel_as_an_operator_with_the_eager_masks():

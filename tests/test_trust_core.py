@@ -17,17 +17,9 @@ import attnlab.functional as AF
 from attnlab import masks
 from attnlab.cache import DynamicCache, StaticCache
 from attnlab.nn import DotProductAttention, MultiHeadAttention
+from conftest import qkv
 
 nan, inf = float("nan"), float("inf")
-
-
-def qkv(B=2, H=4, Hkv=2, L=5, S=7, E=8, Ev=8, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(B, H, L, E, generator=g, dtype=dtype),
-        torch.randn(B, Hkv, S, E, generator=g, dtype=dtype),
-        torch.randn(B, Hkv, S, Ev, generator=g, dtype=dtype),
-    )
 
 
 # --- torch's names keep torch's meanings -------------------------------------------------------

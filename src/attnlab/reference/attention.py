@@ -37,7 +37,8 @@ def masked_softmax(scores, mask=None, dim=-1):
     # does the row see any key? Only masks make a row dead: a NaN keeps it alive, and NaN
     alive = (x != -np.inf).any(axis=-1, keepdims=True)  # (S = 0: no key, a dead row)
     shift = np.where(alive, x.max(axis=-1, keepdims=True, initial=-np.inf), 0.0)  # for exp
-    e = np.exp(x - shift)  # exp(-inf) = 0 for masked keys
+    with np.errstate(invalid="ignore"):  # a +inf score: inf - inf is NaN, as it should be
+        e = np.exp(x - shift)  # exp(-inf) = 0 for masked keys
     total = e.sum(axis=-1, keepdims=True)
     weights = np.where(alive, e / np.where(alive, total, 1.0), 0.0)
     return np.moveaxis(weights, -1, dim)
