@@ -38,6 +38,7 @@ from transformers.masking_utils import (  # noqa: E402
     AttentionMaskInterface,
     eager_mask,
     sdpa_mask,
+    sliding_window_bidirectional_mask_function,
     sliding_window_causal_mask_function,
 )
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
@@ -344,6 +345,30 @@ def test_sliding_window_when_the_mask_is_none_matches_transformers_mask():
         module, q[:, :, -1:], k, v, None, sliding_window=3, output_attentions=True
     )
     assert (w[..., :5] == 0).all() and (w[..., 5:] > 0).all()
+
+
+def test_a_bidirectional_window_when_the_mask_is_none_matches_transformers_mask():
+    """An encoder's local attention (ModernBERT): transformers passes sliding_window = its
+    config's half-window + 1, flash attention's window_size = (w - 1, w - 1), and masks
+    |i - j| <= half-window. attnlab saw one key more each side (|i - j| <= w) before."""
+    L = S = 9
+    q, k, v = _qkv(1, 4, 2, L, S)
+    module = Module(is_causal=False, groups=2)
+    half = 2  # config.sliding_window
+    hf = sdpa_mask(
+        batch_size=1,
+        q_length=L,
+        kv_length=S,
+        mask_function=sliding_window_bidirectional_mask_function(half),
+        allow_is_causal_skip=False,
+    )
+    want, want_w = integ.attnlab_attention_forward(module, q, k, v, hf, output_attentions=True)
+    got, got_w = integ.attnlab_attention_forward(
+        module, q, k, v, None, sliding_window=half + 1, output_attentions=True
+    )
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_w, want_w)
+    assert (got_w[..., 4, 2:7] > 0).all() and (got_w[..., 4, [0, 1, 7, 8]] == 0).all()
 
 
 def test_softcap_matches_gemma2_eager():

@@ -159,3 +159,42 @@ def test_static_cache_decode_step_compiles_as_one_graph_and_stops_recompiling():
     torch._dynamo.reset()
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert graphs[1] == graphs[-1], graphs  # steps 3..6 reuse the graphs of steps 1..2
+
+
+@pytest.mark.parametrize(
+    "config_cls, extra, named",
+    [
+        ("LlamaConfig", {"attention_bias": True}, "attention_bias=True"),
+        ("LlamaConfig", {"mlp_bias": True}, "mlp_bias=True"),
+        ("LlamaConfig", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        (
+            "LlamaConfig",
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}},
+            "rope_type='linear'",
+        ),  # fmt: skip
+        (
+            "LlamaConfig",
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 1e4,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                }
+            },
+            "rope_type='llama3'",
+        ),  # fmt: skip
+        ("Qwen2Config", {}, "model_type='qwen2'"),
+    ],
+)
+def test_a_config_computed_otherwise_is_refused_not_loaded(config_cls, extra, named):
+    """These load without complaint into a SwiGLU, bias-free, plain-RoPE model and give other
+    logits (the Llama 3 rope scaling flips 89% of a random model's argmaxes): refused, naming
+    the setting and the way that runs them (Hugging Face's model on attnlab's attention)."""
+    model_cls = getattr(transformers, config_cls.replace("Config", "ForCausalLM"))
+    hf_model = tiny(model_cls, getattr(transformers, config_cls), **extra)
+    with pytest.raises(ValueError) as info:
+        LlamaModel.from_hf(hf_model)
+    assert named in str(info.value) and "attn_implementation='attnlab'" in str(info.value)

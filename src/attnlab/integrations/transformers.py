@@ -136,8 +136,9 @@ def attnlab_attention_forward(
         scaling: score multiplier; ``E ** -0.5`` when None.
         is_causal: overrides ``module.is_causal`` when the mask is None.
         sliding_window: each query sees itself and the ``sliding_window - 1`` keys before it
-            (``|i - j| <= sliding_window`` when not causal, as transformers). transformers
-            already puts it in the mask it builds; it is applied here only when the mask is None.
+            (``|i - j| < sliding_window`` when not causal: transformers passes it as flash
+            attention's ``window_size = (w - 1, w - 1)``). transformers already puts it in the
+            mask it builds; it is applied here only when the mask is None.
         softcap: positive cap of the scores (Gemma 2's ``attn_logit_softcapping``).
         position_bias: additive bias broadcastable to (B, H, L, S) (T5's relative positions).
         **kwargs: ``output_attentions=True`` returns the weights; ``position_ids``,
@@ -228,9 +229,9 @@ def _window_mask(window: int, causal: bool, L: int, S: int, device) -> torch.Ten
     L > 1: the queries are the first L positions (top-left); L == 1: the one query is the last
     position, after S - 1 cached keys (bottom-right).
     """
+    # transformers passes the window as flash attention takes it, window_size = (w - 1, w - 1):
+    # |i - j| < w both ways (ModernBERT passes its config's half-window + 1), as attnlab's
     alignment = "top_left" if L > 1 else "bottom_right"
-    if not causal:  # transformers' bidirectional window is |i - j| <= w, attnlab's |i - j| < w
-        window += 1
     keep = masks.sliding_window_mask(
         L, S, window=window, alignment=alignment, causal=causal, device=device
     )

@@ -61,7 +61,14 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, config) -> LlamaConfig:
-        """From a ``transformers.LlamaConfig``."""
+        """From a ``transformers`` Llama or Mistral config.
+
+        Raises:
+            ValueError: a config this architecture does not compute as Hugging Face does
+                (another model type, biases, another activation, scaled rotary frequencies):
+                its weights would load and give other logits.
+        """
+        _check_hf_config(config)
         rope = getattr(config, "rope_parameters", None) or {}
         return cls(
             vocab_size=config.vocab_size,
@@ -75,6 +82,31 @@ class LlamaConfig:
             norm_eps=config.rms_norm_eps,
             sliding_window=getattr(config, "sliding_window", None),
             tie_embeddings=config.tie_word_embeddings,
+        )
+
+
+HF_MODEL_TYPES = ("llama", "mistral")
+
+
+def _check_hf_config(config) -> None:
+    """Refuse what :class:`LlamaModel` would silently compute differently from ``config``."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    found = {
+        "model_type": (getattr(config, "model_type", None), HF_MODEL_TYPES),
+        "attention_bias": (getattr(config, "attention_bias", False), (False,)),
+        "mlp_bias": (getattr(config, "mlp_bias", False), (False,)),
+        "hidden_act": (getattr(config, "hidden_act", "silu"), ("silu",)),
+        "rope_type": (rope_type, ("default",)),
+    }
+    wrong = [f"{name}={got!r} (takes {' or '.join(map(repr, ok))})"
+             for name, (got, ok) in found.items() if got not in ok]  # fmt: skip
+    if wrong:
+        raise ValueError(
+            f"LlamaModel.from_hf: this config sets {', '.join(wrong)}; attnlab's LlamaModel "
+            f"(SwiGLU MLP, no biases, plain rotary frequencies) would load these weights and "
+            f"compute other logits. Fix: run the Hugging Face model itself on attnlab's "
+            f"attention, with attn_implementation='attnlab' (attnlab.integrations.transformers)."
         )
 
 
@@ -358,7 +390,9 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_model) -> LlamaModel:
-        """Copy the weights of a ``transformers`` ``LlamaForCausalLM`` into an attnlab model."""
+        """Copy the weights of a ``transformers`` ``LlamaForCausalLM`` (or Mistral) into an
+        attnlab model; a config it would compute differently is refused
+        (:meth:`LlamaConfig.from_hf`)."""
         cfg = LlamaConfig.from_hf(hf_model.config)
         model = cls(cfg).to(dtype=next(hf_model.parameters()).dtype)
         src = hf_model.model
