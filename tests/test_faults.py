@@ -236,3 +236,46 @@ def test_resume_skips_a_damaged_checkpoint_for_an_older_complete_one(reference, 
     err = capsys.readouterr().err
     assert "skipped a damaged checkpoint" in err and ckpt.OPTIMIZER in err
     assert ckpt.read_checkpoint_state(ckpt.latest_checkpoint(out))["step"] == STEPS + 1
+
+
+# ------------------------------------------------------------------------------ divergence
+def test_a_diverging_run_stops_at_the_first_nonfinite_loss_and_keeps_its_last_checkpoint(
+    tmp_path, capsys
+):
+    """A learning rate of 1e6 sends the loss to inf within ten steps. Before: training went on
+    to its budget, saved the NaN weights over every finite checkpoint and as the model, and
+    the run could then be neither resumed, translated nor evaluated."""
+    out = tmp_path / "run"
+    args = [*TRAIN[:-4], "--max-steps", "30", "--checkpoint-every", "0.00001", "--lr", "1e6"]
+    assert cli.main(["train", *args, "--warmup", "0", "--out", str(out), *QUIET]) == 2
+    said = capsys.readouterr().err
+    assert "training diverged at step" in said and "--lr" in said and "--clip" in said
+    step = int(said.split("training diverged at step ")[1].split(":")[0])
+    latest = ckpt.latest_checkpoint(out)
+    kept = ckpt.read_checkpoint_state(latest)["step"]
+    assert 0 < kept < step < 30 and f"keeps its last checkpoint, step {kept}" in said
+    weights = tensors_of(latest / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in weights.values())
+    assert not (out / "model.safetensors").exists()  # (written when training completes)
+    assert all(v == v for _, v in validations(out))  # no NaN in train.log
+    load_run(out).translate(["1 mars 1999"])  # the run still loads and translates
+
+
+def test_weights_that_overflow_under_a_finite_loss_are_not_saved(tmp_path, capsys, monkeypatch):
+    """An optimizer step can leave inf weights after a finite loss (an overflowing gradient);
+    the checkpoint that would follow is refused, not written."""
+    step = torch.optim.AdamW.step
+
+    def poisoned(self, *args, **kwargs):
+        result = step(self, *args, **kwargs)
+        if self.state[self.param_groups[0]["params"][0]]["step"] == 5:
+            self.param_groups[0]["params"][0].data.fill_(float("inf"))
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
+    out = tmp_path / "run"
+    args = [*TRAIN[:-4], "--max-steps", "5", "--checkpoint-every", "100"]
+    assert cli.main(["train", *args, "--out", str(out), *QUIET]) == 2
+    said = capsys.readouterr().err
+    assert "diverged at step 5: the weights hold a NaN or an inf" in said
+    assert ckpt.latest_checkpoint(out) is None and "has no checkpoint yet" in said

@@ -190,6 +190,25 @@ class StopFlag:
 
 
 # ------------------------------------------------------------------------------ the loop
+class Diverged(ValueError):
+    """Training met a NaN or an infinity (in the loss or the weights). It stops at once and
+    saves nothing of it: the run folder keeps its last finite checkpoint, if any."""
+
+
+def _diverged(what: str, state, lr: float, run_dir: Path) -> Diverged:
+    latest = ckpt.latest_checkpoint(run_dir)
+    kept = (
+        f"{run_dir} keeps its last checkpoint, step {ckpt.read_checkpoint_state(latest)['step']}"
+        if latest is not None
+        else f"{run_dir} has no checkpoint yet"
+    )
+    return Diverged(
+        f"training diverged at step {state.step}: {what} (learning rate then {lr:.3g}); "
+        f"nothing of it was saved and {kept}. Fix: train again with a smaller --lr or with "
+        f"--clip (e.g. --clip 1.0), with --force to start this run over"
+    )
+
+
 def token_loss(logits, target, label_smoothing: float = 0.0) -> torch.Tensor:
     """Summed cross-entropy over non-pad target tokens. logits (B, T, V), target (B, T)."""
     return F.cross_entropy(
@@ -215,6 +234,7 @@ def probe_step(model, data: Encoded, device, max_tokens: int, precision: str) ->
     return int(b.src.numel() + b.tgt_in.numel())
 
 
+@torch.no_grad()  # (no graph: the loss is read, never differentiated)
 def validation_loss(model, data: Encoded, device, max_tokens: int = 8192) -> float:
     """Mean token cross-entropy (nats, no label smoothing) over ``data``."""
     if len(data) == 0:
@@ -335,12 +355,19 @@ def fit(
         return p
 
     saved_step = None  # the step of this session's last checkpoint
+    lr = opts.lr  # the last step's learning rate (said when training diverges)
 
     def save() -> None:
         nonlocal saved_step
-        if dist.main and saved_step != state.step:  # nothing new since the last one: skip
+        if saved_step == state.step:  # nothing new since the last one: skip
+            return
+        # A finite loss can still end in weights of inf (an overflowing gradient): never saved
+        # over a finite checkpoint. (Every process checks: their weights are the same.)
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            raise _diverged("the weights hold a NaN or an inf", state, lr, run_dir)
+        if dist.main:
             ckpt.save_checkpoint(run_dir, state.step, model, optimizer, state.to_dict())
-            saved_step = state.step
+        saved_step = state.step
 
     def validate() -> None:
         if not dist.main:
@@ -436,6 +463,13 @@ def fit(
                 state.elapsed = base_elapsed + time.monotonic() - session_start
                 state.cpu_seconds = base_cpu + time.process_time() - cpu_start
                 tok_loss = float(loss_sum.detach()) / max(1, b.num_tokens)
+                bad = torch.tensor(float(not math.isfinite(tok_loss)))
+                if dist.active:  # (every process stops at the same step)
+                    import torch.distributed as tdist
+
+                    tdist.all_reduce(bad, op=tdist.ReduceOp.MAX)
+                if bad > 0:  # (its weights, stepped on a NaN, are not saved: see save)
+                    raise _diverged(f"the training loss is {tok_loss}", state, lr, run_dir)
                 smooth_loss = (
                     tok_loss if smooth_loss is None else 0.98 * smooth_loss + 0.02 * tok_loss
                 )
