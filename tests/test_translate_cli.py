@@ -92,8 +92,10 @@ def test_translate_command_and_load_run(dates_run, capsys, tmp_path):
         run(cmd_translate, [str(dates_run), "--input", str(infile), "--beam-size", "3", "--json"])
         == 0
     )
-    out = capsys.readouterr().out.splitlines()
-    assert len(out) == 3 and out[1] == "" and json.loads(out[0])["source"] == "1 February 2005"
+    out = capsys.readouterr().out.split("\n")[:-1]
+    assert len(out) == 3 and json.loads(out[0])["source"] == "1 February 2005"
+    assert json.loads(out[1]) == {"source": "", "translation": "", "source_tokens": [],
+                                  "target_tokens": [], "score": None}  # fmt: skip
 
     from attnlab.translate import load_run
 
@@ -103,6 +105,46 @@ def test_translate_command_and_load_run(dates_run, capsys, tmp_path):
         assert r.attention.shape == (len(r.target_tokens), len(r.source_tokens))
         assert r.source_tokens[-1] == "</s>"
         assert abs(r.attention.sum(-1) - 1).max() < 1e-4
+
+
+def test_translations_stay_on_their_lines_whatever_the_characters(dates_run, capsys, tmp_path):
+    """One output line per input line as wc -l counts them (at \\n): U+2028, U+0085, a form
+    feed or a lone carriage return inside a line split it before, and every translation after
+    it stood next to another line. Whitespace-only arguments are empty lines, as in a file."""
+    sentences = ["1 mars 1999", "3 avril\u2028 2001", "5 mai\x85 2002", "\f7 juin 2003",
+                 "9 juillet\r 2004", "", "   ", "11 août 2005\r"]  # fmt: skip
+    infile = tmp_path / "odd.txt"
+    infile.write_bytes("\n".join(sentences).encode("utf-8") + b"\r\n")
+    assert run(cmd_translate, [str(dates_run), "--input", str(infile), "--beam-size", "1"]) == 0
+    got = capsys.readouterr().out.split("\n")[:-1]
+    assert len(got) == len(sentences) == infile.read_bytes().count(b"\n")
+    from attnlab.translate import load_run
+
+    each = load_run(dates_run).translate([t.strip() for t in sentences if t.strip()], beam_size=1)
+    assert [line for line in got if line] == [r.text for r in each]
+    assert got[5] == got[6] == ""
+    assert run(cmd_translate, [str(dates_run), "   ", "", "1 mars 1999"]) == 0
+    assert capsys.readouterr().out.split("\n")[:-1] == ["", "", each[0].text]
+
+
+def test_input_that_is_not_utf8_is_refused_in_one_line(dates_run, tmp_path, monkeypatch, capsys):
+    """Before: a file gave Python's codec message, and the same bytes on stdin were read with
+    surrogates and translated as unknown symbols ("3 août 1999" -> "1999-10-33")."""
+    import io
+
+    from attnlab import cli
+
+    latin1 = "1 mars 1999\n3 août 1999\n".encode("latin-1")
+    infile = tmp_path / "latin1.txt"
+    infile.write_bytes(latin1)
+    assert cli.main(["translate", str(dates_run), "--input", str(infile)]) == 2
+    said = capsys.readouterr().err
+    assert "not UTF-8 text: byte 0xfb on line 2" in said and "iconv" in said  # (û)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(latin1)))
+    assert cli.main(["translate", str(dates_run)]) == 2
+    assert "standard input is not UTF-8 text" in capsys.readouterr().err
+    assert cli.main(["translate", str(dates_run), "--input", str(tmp_path)]) == 2
+    assert "a folder; pass a text file" in capsys.readouterr().err
 
 
 def test_evaluate_command(dates_run, capsys):

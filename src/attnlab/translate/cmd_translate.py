@@ -85,22 +85,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _read_input(args) -> list[str]:
+    """The sentences, stripped: one per argument, or one per line of the file or of stdin."""
     if args.text and args.input:
         raise ValueError("give sentences as arguments or with --input FILE, not both")
     if args.text:
-        return list(args.text)
+        return [text.strip() for text in args.text]
     if args.input:
+        if args.input.is_dir():
+            raise IsADirectoryError(f"--input {args.input}: a folder; pass a text file")
         if not args.input.is_file():
             raise FileNotFoundError(f"--input {args.input}: no such file")
-        raw = args.input.read_text(encoding="utf-8")
-    else:
-        if sys.stdin.isatty():
-            print(
-                "reading sentences from standard input, one per line (Ctrl-D to finish)",
-                file=sys.stderr,
-            )
-        raw = sys.stdin.read()
-    return [line.strip() for line in raw.splitlines()]
+        return split_lines(args.input.read_bytes(), f"--input {args.input}")
+    if sys.stdin.isatty():
+        print(
+            "reading sentences from standard input, one per line (Ctrl-D to finish)",
+            file=sys.stderr,
+        )
+    stdin = getattr(sys.stdin, "buffer", None)  # bytes, decoded strictly below
+    raw = sys.stdin.read() if stdin is None else stdin.read()  # (None: a text stream instead)
+    return split_lines(raw, "standard input")
+
+
+def split_lines(raw: bytes | str, name: str) -> list[str]:
+    """UTF-8 text -> its lines, stripped, as ``wc -l`` and ``paste`` count them: split at
+    ``\\n`` only (CRLF's ``\\r`` is stripped). ``str.splitlines`` also splits at U+2028,
+    U+0085, form feeds and lone carriage returns, and then every translation after such a
+    character stood next to another sentence's line."""
+    text = raw
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8-sig")  # (a byte-order mark is not part of the first line)
+        except UnicodeDecodeError as e:
+            line = raw[: e.start].count(b"\n") + 1
+            raise ValueError(
+                f"{name} is not UTF-8 text: byte {raw[e.start]:#04x} on line {line} cannot be "
+                f"read as UTF-8. Fix: convert it first, e.g. iconv -f latin1 -t utf-8"
+            ) from None
+    lines = text.split("\n")
+    if lines[-1] == "":  # the newline that ends the last line starts no new one
+        lines.pop()
+    return [line.strip() for line in lines]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -119,6 +143,10 @@ def main(args: argparse.Namespace) -> int:
     by_line = dict(zip(wanted, outputs, strict=True))
     for i in range(len(lines)):
         out = by_line.get(i)
+        if out is None and args.json:  # keep line numbers aligned, one JSON object a line
+            print(json.dumps({"source": "", "translation": "", "source_tokens": [],
+                              "target_tokens": [], "score": None}))  # fmt: skip
+            continue
         if out is None:  # keep line numbers aligned: an empty line stays empty
             print()
             continue
