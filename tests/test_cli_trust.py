@@ -155,6 +155,53 @@ def test_settings_that_cannot_build_or_would_be_ignored_leave_no_run_folder(
     assert not out.exists()  # the corrected command is not told "already holds a run"
 
 
+def test_a_max_len_that_leaves_no_training_pair_is_one_line_and_leaves_nothing(tmp_path, capsys):
+    """Found only after the tokenizer is trained, in the run folder: before, a NumPy warning
+    and "cannot convert float NaN to integer", and a half-made folder that refused the
+    corrected command. A folder that was there keeps what it held."""
+    out = tmp_path / "r"
+    code, _, err = attnlab(capsys, "train", *TINY, "--max-len", "3", "--max-steps", "2",
+                           "--out", out)  # fmt: skip
+    assert code == 2 and "--max-len 3 leaves no training pair" in err.splitlines()[-1]
+    assert "Traceback" not in err and "NaN" not in err and not out.exists()
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    code, _, _ = attnlab(capsys, "train", *TINY, "--max-len", "3", "--max-steps", "2",
+                         "--out", out)  # fmt: skip
+    assert code == 2 and [p.name for p in out.iterdir()] == ["notes.txt"]
+    code, _, _ = attnlab(capsys, "train", *TINY, "--max-steps", "2", "--out", out)
+    assert code == 0 and (out / "config.json").is_file()
+
+
+def test_a_model_too_large_for_memory_is_refused_before_anything_is_written(
+    tmp_path, capsys, monkeypatch
+):
+    """Its weights, gradients and Adam's moments alone would not fit: before, an allocator
+    traceback after the run folder was written (or the machine swapped to a halt)."""
+    from attnlab.translate import pipeline
+
+    monkeypatch.setattr(pipeline, "_free_memory", lambda device: (2**28, "this machine"))
+    out = tmp_path / "r"
+    code, _, err = attnlab(capsys, "train", *TINY, "--hidden", "3000", "--out", out)
+    said = one_line_error(err)
+    assert code == 2 and "too large to train here" in said and "0.2 GiB free" in said
+    assert "--hidden 3000" in said and not out.exists()
+
+
+@pytest.mark.parametrize("model", ["rnn", "transformer"])
+@pytest.mark.parametrize("layers", [1, 3])
+def test_the_parameter_count_is_the_built_models(model, layers):
+    """The memory check counts parameters from models of one and two layers (a model of
+    65,536 layers took minutes to build, even on the meta device); it must be exact."""
+    from attnlab.translate.models import build_model, model_config
+    from attnlab.translate.pipeline import parameter_count
+
+    extra = {"dec_layers": layers + 1} if model == "transformer" else {}
+    cfg = model_config(model, None, "small", enc_layers=layers, **extra)
+    built = build_model(cfg, 300)
+    assert parameter_count(cfg, 300) == sum(p.numel() for p in built.parameters())
+
+
 def test_train_size_outside_dates_is_refused_not_ignored(tmp_path, capsys):
     code, _, err = attnlab(capsys, "train", "--train-size", "100", "--out", tmp_path / "r")
     assert code == 2

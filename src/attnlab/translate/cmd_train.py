@@ -405,6 +405,7 @@ def main(args: argparse.Namespace) -> int:
         build_config,
         check_run_dir_free,
         default_run_dir,
+        discard_new_run,
         pick_device,
         place_data,
         prepare_run_dir,
@@ -473,10 +474,11 @@ def main(args: argparse.Namespace) -> int:
         if device.startswith("cuda") and args.max_tokens is None:
             args.max_tokens = "auto"  # the CPU default would keep a large GPU idle
         opts = resolve(options_from_args(args))
-        config = build_config(opts)  # every setting checked, the model built on no memory
+        config = build_config(opts, device)  # every setting checked; the model built on no memory
         task = load_task(config["task"])  # bad data fails here, before a run dir is made
         run_dir = Path(args.out or default_run_dir(config))
         check_run_dir_free(run_dir, force=args.force)  # every process, before any is changed
+        created = not run_dir.exists()
         barrier()
         if dist.main:
             prepare_run_dir(run_dir, resume=False, force=args.force)
@@ -501,16 +503,24 @@ def main(args: argparse.Namespace) -> int:
             if train.get(key)
         )
         log(f"resuming at step {start_step}; training until the first of: {target}")
-    model, tokenizer, task, state, dist = train_run(
-        run_dir,
-        config,
-        resume=args.resume,
-        device=device,
-        threads=args.threads,
-        started=started,
-        progress_bar=not args.no_progress,
-        task=task,
-    )
+    try:
+        model, tokenizer, task, state, dist = train_run(
+            run_dir,
+            config,
+            resume=args.resume,
+            device=device,
+            threads=args.threads,
+            started=started,
+            progress_bar=not args.no_progress,
+            task=task,
+        )
+    except Exception:
+        # A new run that fails before its first checkpoint (training data that --max-len
+        # empties, a model the allocator refuses) holds nothing worth keeping, and its
+        # config.json would refuse the corrected command: what this command wrote goes.
+        if not args.resume and dist.main and ckpt.latest_checkpoint(run_dir) is None:
+            discard_new_run(run_dir, created)
+        raise
     if not dist.main:
         return 0
     if getattr(state, "interrupted", False):

@@ -103,8 +103,9 @@ def resolve(options: dict) -> dict:
     return merged
 
 
-def build_config(o: dict) -> dict:
-    """The run's config.json from resolved options."""
+def build_config(o: dict, device: str = "cpu") -> dict:
+    """The run's config.json from resolved options (checked for ``device``: see
+    :func:`check_config`)."""
     spec = task_spec(
         o["task"] if not o.get("data") else None,
         o.get("data"),
@@ -145,7 +146,7 @@ def build_config(o: dict) -> dict:
         "time_budget_minutes": o.get("time_budget"),
         "decode": {"beam_size": o.get("beam_size") or 4, "length_penalty": 0.6},
     }
-    check_config(config)
+    check_config(config, device)
     return config
 
 
@@ -171,12 +172,14 @@ OPTION_OF = {
 }
 
 
-def check_config(config: dict) -> None:
+def check_config(config: dict, device: str = "cpu") -> None:
     """Refuse a config that cannot train, before anything is written.
 
     The numbers are checked one by one (the command line's own checks, again for callers that
-    build configs in Python), then the model is built on the ``meta`` device (shapes only, no
-    memory, no computation), so whatever its constructors refuse is refused here too.
+    build configs in Python); a model whose training state alone would not fit in the memory
+    free on ``device`` is refused (:func:`check_model_fits`); then the model is built on the
+    ``meta`` device (shapes only, no memory, no computation), so whatever its constructors
+    refuse is refused here too.
     """
     m = config["model"]
     for key, value in m.items():
@@ -217,11 +220,70 @@ def check_config(config: dict) -> None:
         if not ok:
             raise ValueError(f"{OPTION_OF.get(key, key)} {value!r} cannot train; expected {want}")
     vocab = config["tokenizer"].get("vocab_size") or 512
-    try:
-        with torch.device("meta"):
-            build_model(m, vocab)
+    try:  # (models of one and two layers of these widths are built on the meta device)
+        parameters = parameter_count(m, vocab)
     except (ValueError, TypeError, AssertionError, RuntimeError) as e:
         raise ValueError(f"the model settings do not fit together: {e}") from None
+    check_model_fits(m, parameters, device)
+
+
+TRAIN_BYTES_PER_PARAMETER = 16  # float32 weights, their gradients and Adam's two moments
+LAYER_KEYS = ("enc_layers", "dec_layers")
+
+
+def parameter_count(model: dict, vocab: int) -> int:
+    """The parameters of ``build_model(model, vocab)``, from models of one and two layers built
+    on the meta device (each layer adds the same count): a model of 65,536 layers is not
+    built to be counted (building it, even on the meta device, takes minutes). Whatever the
+    constructors refuse of these settings is raised here."""
+
+    def count(**layers) -> int:
+        with torch.device("meta"):
+            built = build_model({**model, **layers}, vocab)
+        return sum(p.numel() for p in built.parameters())
+
+    present = [k for k in LAYER_KEYS if k in model]
+    ones = dict.fromkeys(present, 1)
+    base = count(**ones)
+    total = base
+    for key in present:
+        per_layer = count(**{**ones, key: 2}) - base
+        total += per_layer * (model[key] - 1)
+    return total
+
+
+def check_model_fits(model: dict, n: int, device: str) -> None:
+    """Refuse a model of ``n`` parameters whose training state alone
+    (``TRAIN_BYTES_PER_PARAMETER`` bytes a parameter; activations come on top) is more than the
+    memory free on ``device``: it would fail after the run folder is written (an allocator
+    traceback), or swap the machine to a halt."""
+    free, where = _free_memory(device)
+    need = n * TRAIN_BYTES_PER_PARAMETER
+    if free is None:
+        return
+    if need > free:
+        sizes = ", ".join(f"{OPTION_OF.get(k, k)} {model[k]}" for k in
+                          ("hidden", "d_model", "d_ff", *LAYER_KEYS) if k in model)  # fmt: skip
+        raise ValueError(
+            f"a model of {sizes} has {n:,} parameters: too large to train here, its weights, "
+            f"gradients and Adam's two moments alone take {need / 2**30:.1f} GiB and {where} "
+            f"has {free / 2**30:.1f} GiB free. Fix: a smaller width or fewer --layers"
+        )
+
+
+def _free_memory(device: str) -> tuple[int | None, str]:
+    """(bytes free on ``device``, what it is called), or (None, ...) when it cannot be read."""
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            return None, device
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return free, f"GPU {device}"
+    try:  # Linux: what can be allocated without swapping
+        with open("/proc/meminfo", encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024, "this machine"
+    except (OSError, KeyError, ValueError):
+        return None, "this machine"
 
 
 def default_run_dir(config: dict) -> Path:
@@ -309,6 +371,16 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, force: bool) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
+def discard_new_run(run_dir: Path, created: bool) -> None:
+    """Remove what a new run wrote into ``run_dir`` (its run files and checkpoint folder),
+    and the folder itself if this run ``created`` it and nothing else is left in it."""
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / ckpt.CHECKPOINTS, ignore_errors=True)
+    if created and run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
+
+
 def pick_device(name: str | None) -> str:
     """The torch device of ``--device`` (``auto``: cuda when there is one); one-line errors."""
     from attnlab.cli import device_name
@@ -389,6 +461,11 @@ def train_run(
     )
     train_data, dropped = encode_pairs(tokenizer, task.train, early.max_len)
     val_data, _ = encode_pairs(tokenizer, task.validation, early.max_len)
+    if not len(train_data):
+        raise ValueError(
+            f"--max-len {early.max_len} leaves no training pair: all {dropped:,} are longer "
+            f"(in tokens of this run's tokenizer). Fix: a larger --max-len, or leave it out"
+        )
     if dropped and dist.main:
         log(f"note: {dropped} training pair(s) longer than {early.max_len} tokens left out")
     torch.manual_seed(early.seed)
