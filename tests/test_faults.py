@@ -279,3 +279,16 @@ def test_weights_that_overflow_under_a_finite_loss_are_not_saved(tmp_path, capsy
     said = capsys.readouterr().err
     assert "diverged at step 5: the weights hold a NaN or an inf" in said
     assert ckpt.latest_checkpoint(out) is None and "has no checkpoint yet" in said
+
+
+def test_kill_9_in_the_final_evaluation_then_resume_finishes_the_report(reference, tmp_path):
+    """Trained and saved, killed while evaluating: before, --resume refused ("already trained
+    its whole budget") and results.json could only come back by training more."""
+    out = tmp_path / "run"
+    killed(["-m", "attnlab.cli", "train", *TRAIN, *QUIET, "--out", str(out)], "report@1")
+    assert (out / "model.safetensors").is_file() and not (out / "results.json").exists()
+    assert cli.main(["train", "--out", str(out), "--resume", *QUIET]) == 0
+    assert (out / "results.json").is_file()
+    assert_bitwise_equal(out / "model.safetensors", reference / "model.safetensors")
+    # finished now: a second --resume has nothing to add and says so
+    assert cli.main(["train", "--out", str(out), "--resume", *QUIET]) == 2

@@ -384,6 +384,10 @@ def resume_budget(args: argparse.Namespace, config: dict, done: dict, run_dir: P
         new[key] = value
     if not new:
         reached = budget_reached(train, done)
+        from attnlab.translate.checkpoint import RESULTS
+
+        if reached and not (run_dir / RESULTS).is_file():
+            return False  # trained, but stopped in its final evaluation: --resume finishes it
         if reached:
             raise ValueError(
                 f"{run_dir} has already trained its whole budget ({reached}, step "
@@ -439,7 +443,7 @@ def main(args: argparse.Namespace) -> int:
 
     task = None
     start_step = 0
-    new_budget = False
+    new_budget = finishing = False  # finishing: a trained run whose evaluation was cut short
     if args.resume:
         run_dir = Path(args.out)
         config = read_run_config(run_dir)
@@ -463,6 +467,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             done = done_so_far(ckpt.read_checkpoint_state(latest))  # checked; errors name it
         new_budget = resume_budget(args, config, done, run_dir)
+        finishing = not new_budget and bool(budget_reached(config["train"], done))
         start_step = done["steps"]
         if (
             not new_budget
@@ -529,7 +534,9 @@ def main(args: argparse.Namespace) -> int:
             f"  attnlab train --out {run_dir} --resume"
         )
         return 130
-    if resumed:
+    if resumed and finishing:
+        log(f"training was complete at step {state.step}; finishing its evaluation")
+    elif resumed:
         added = state.step - start_step
         log(
             f"resume added {added} step(s): step {start_step} -> {state.step}"
@@ -537,15 +544,22 @@ def main(args: argparse.Namespace) -> int:
         )
     from attnlab.translate.report import final_report
 
-    final_report(
-        run_dir,
-        task,
-        state,
-        beam_size=args.beam_size,
-        eval_limit=args.eval_limit,
-        deadline=deadline,
-        quiet=False,
-        progress=not args.no_progress,
-    )
+    try:
+        final_report(
+            run_dir,
+            task,
+            state,
+            beam_size=args.beam_size,
+            eval_limit=args.eval_limit,
+            deadline=deadline,
+            quiet=False,
+            progress=not args.no_progress,
+        )
+    except KeyboardInterrupt:
+        log(
+            f"interrupted during the final evaluation; training is complete and saved. "
+            f"Finish it with:\n  attnlab train --out {run_dir} --resume"
+        )
+        return 130
     log(f"total wall time {time.monotonic() - started:.0f} s")
     return 0

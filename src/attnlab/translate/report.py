@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from attnlab._files import kill_point
 from attnlab.data import words
 from attnlab.translate.evaluation import evaluate, format_scores
 from attnlab.translate.metrics import token_to_word, word_attention
@@ -113,6 +114,7 @@ def final_report(
     from attnlab.translate.run import load_run
 
     translator = load_run(run_dir)
+    kill_point("report")  # trained and saved; evaluated and written, not yet
     beam = beam_size or translator.decode_options.get("beam_size", 4)
     if deadline is not None and beam > 1:
         beam = fitting_beam(translator, task, beam, deadline - time.monotonic(), eval_limit)
