@@ -180,7 +180,8 @@ def test_kill_9_inside_a_same_step_resave_loses_nothing(
     before = ckpt.latest_checkpoint(reference)
     for name in (ckpt.WEIGHTS, ckpt.OPTIMIZER):
         assert_bitwise_equal(latest / name, before / name)
-    (out / ckpt.WEIGHTS).unlink()  # translate from the checkpoint itself
+    assert not (out / ckpt.WEIGHTS).exists()  # a resumed session removes the stale final files
+    # (so translate reads the checkpoint itself)
     assert load_run(out).translate("lunes 3 marzo 1980", beam_size=1)
 
     train_in_process("--out", str(out), "--resume", "--more-steps", "1")
@@ -292,3 +293,20 @@ def test_kill_9_in_the_final_evaluation_then_resume_finishes_the_report(referenc
     assert_bitwise_equal(out / "model.safetensors", reference / "model.safetensors")
     # finished now: a second --resume has nothing to add and says so
     assert cli.main(["train", "--out", str(out), "--resume", *QUIET]) == 2
+
+
+def test_an_interrupted_resumed_session_is_read_from_its_newest_checkpoint(reference, tmp_path):
+    """A finished run trained on with --more-steps and killed: before, translate and evaluate
+    went on reading the first session's model.safetensors beside the newer checkpoint."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    more = ["-m", "attnlab.cli", "train", "--out", str(out), "--resume", "--more-steps", "10"]
+    killed([*more, *QUIET, "--checkpoint-every", "0.00001"], "step@4")
+    assert not (out / "model.safetensors").exists() and not (out / "results.json").exists()
+    latest = ckpt.latest_checkpoint(out)
+    assert ckpt.read_checkpoint_state(latest)["step"] > STEPS
+    translator = load_run(out)
+    newest = tensors_of(latest / "model.safetensors")
+    loaded = ckpt.model_state(translator.model)
+    assert loaded.keys() == newest.keys()
+    assert all(torch.equal(loaded[name], newest[name]) for name in newest)

@@ -501,6 +501,12 @@ def train_run(
             if dist.main:
                 ckpt.atomic_write_json(run_dir / ckpt.CONFIG, config)
         opts.train_seconds = config["train"]["train_seconds"]
+    if resume and dist.main:
+        # The final files describe the weights of the last completed session; training on
+        # makes them stale, and an interrupted session would leave them beside a newer
+        # checkpoint (translate and evaluate read them first). Written again when it completes.
+        for name in (ckpt.WEIGHTS, ckpt.RESULTS, "attention.png"):
+            (run_dir / name).unlink(missing_ok=True)
     state = fit(
         model,
         train_data,
