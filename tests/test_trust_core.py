@@ -345,6 +345,77 @@ def test_function_compiles_fullgraph_and_differentiates(case, backend):
     torch.testing.assert_close(qs[1].grad, qs[0].grad, rtol=1e-5, atol=1e-6)
 
 
+def test_a_scale_that_compile_makes_symbolic_keeps_one_graph():
+    """A float scale that changes between calls becomes symbolic (dynamic=True, or the default
+    after a second value): checking it with math.isfinite broke the graph, and choosing torch's
+    is_causal from its sign handed torch a SymBool."""
+    q, k, v = qkv(L=7)
+    for kw in ({}, {"is_causal": True}, {"return_weights": True}):
+        torch._dynamo.reset()
+        fn = torch.compile(AF.scaled_dot_product_attention, fullgraph=True, backend="aot_eager")
+        for scale in (0.5, 0.25, -0.3):  # (the third: a scale <= 0 with is_causal)
+            got, want = (
+                fn(q, k, v, scale=scale, **kw),
+                AF.scaled_dot_product_attention(q, k, v, scale=scale, **kw),
+            )
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_dropout_compiles_fullgraph():
+    """The dispatch described the blocked kernel's tiling even when no reason was wanted, and
+    that read the CPU's bf16 flags (a cached function dynamo cannot trace)."""
+    q, k, v = (t.bfloat16().requires_grad_() for t in qkv(L=7))
+    torch._dynamo.reset()
+    fn = torch.compile(AF.scaled_dot_product_attention, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(3)
+    got = fn(q, k, v, dropout_p=0.2)
+    torch.manual_seed(3)
+    want = AF.scaled_dot_product_attention(q, k, v, dropout_p=0.2)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_weights_with_gradients_of_layers_compile_fullgraph():
+    """A layer's heads are views of (B, L, H, E) projections: the weights backward wrote dQ
+    into a tensor of their strides, whose blocks compiled graphs refuse as out=."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(32, 4, num_kv_heads=2)
+    x = torch.randn(2, 5, 32)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    outs = [f(x, return_weights=True) for f in (layer, compiled)]
+    grads = []
+    for out, w in outs:
+        layer.zero_grad()
+        (out.square().sum() + w.square().sum()).backward()
+        grads.append(layer.q_proj.weight.grad.clone())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("return_weights", [True, "average"])
+def test_an_exported_program_with_weights_keeps_its_gradients(return_weights):
+    """torch.export ran the weights path's no_grad forward as the graph: its outputs, and every
+    one computed after it, came out without gradients."""
+    q, k, v = qkv()
+    fn = Fn(return_weights=return_weights)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    exported = torch.export.export(fn, (*leaves, None)).module()
+    outs = [f(*[t.detach().requires_grad_() for t in leaves], None) for f in (fn, exported)]
+    for out, w in outs:
+        assert out.requires_grad and w.requires_grad
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_sliding_window_layer_exports():
+    """sliding_window_mask read query 0's position from a tensor (a data-dependent guard)."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(32, 4, is_causal=True, sliding_window=2).eval()
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        got = torch.export.export(layer, (x,)).module()(x)
+        torch.testing.assert_close(got, layer(x), rtol=1e-6, atol=1e-6)
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()

@@ -215,7 +215,9 @@ def check_scale(scale: float | None) -> None:
     """Raise unless ``scale`` is None or a finite real number (NaN would silently become 0s)."""
     if scale is None:
         return
-    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+    # (abs(scale) < inf, not math.isfinite: a scale that torch.compile makes symbolic is
+    # compared, where math.isfinite would break the graph; NaN compares False too)
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not abs(scale) < math.inf:
         raise ValueError(
             f"scale must be a finite number (the multiplier of the scores) or None for "
             f"1/sqrt(E); got {scale!r}. Fix: pass e.g. scale=1.0, or leave it out."

@@ -104,6 +104,8 @@ def structure(mask) -> tuple:
     """``(key_range, band)`` remembered by a mask of this module (None for what it has not), or
     ``(None, None)`` when it was changed in place since it was built: then only its values
     tell what it masks."""
+    if torch.compiler.is_compiling():  # (traced: torch's ops run, and a version is no guard)
+        return None, None
     version = getattr(mask, "_built_version", None)
     if version is None or mask._version != version:
         return None, None
@@ -112,7 +114,11 @@ def structure(mask) -> tuple:
 
 def plain(mask: torch.Tensor | None) -> torch.Tensor | None:
     """``mask`` as a plain ``torch.Tensor`` (a :class:`Mask` unwrapped; anything else as is)."""
-    return mask.as_subclass(torch.Tensor) if isinstance(mask, Mask) else mask
+    if not isinstance(mask, Mask):
+        return mask
+    if torch.compiler.is_compiling():  # (dynamo cannot trace as_subclass of a subclass;
+        return mask.view_as(mask)  # any op on a Mask gives a plain tensor)
+    return mask.as_subclass(torch.Tensor)
 
 
 def show(mask: torch.Tensor, max_rows: int = 24, max_cols: int = 48) -> str:
@@ -228,7 +234,8 @@ def sliding_window_mask(
     mask = Mask(keep)
     # the structure, for kernels that skip blocks outside the band: key j may be attended by
     # query i iff lo <= j - (i + offset) <= hi
-    offset = int(q_pos[0, 0]) if query_length else 0
+    # (query 0's position, from the lengths: reading q_pos would stop torch.export)
+    offset = key_length - query_length if alignment == "bottom_right" and key_length else 0
     _remember(mask, band=(offset, -(window - 1), 0 if causal else window - 1))
     return mask
 

@@ -118,7 +118,7 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
         alignment = None  # the last position sees every key
     blocks = _Blocks(q, k, mask, alignment)
     scratch = q.new_empty(blocks.heads, blocks.rows, S) if average else None
-    qs = torch.mul(q, scale, out=q.new_empty(q.shape))  # contiguous, as folded blocks need
+    qs = q * scale
     for b, hs, rs, kv in blocks:
         h, r = hs.stop - hs.start, rs.stop - rs.start
         w = scratch[:h, :r] if average else weights[b, hs, rs]
@@ -126,7 +126,9 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
         if n is not None:  # (h, L, *) -> (n, G * L, *): K and V sliced, not gathered
             hk = hs.start // (h // n)
             kb, vb = k[b, hk : hk + n], v[b, hk : hk + n]  # (n, S, E), (n, S, Ev)
-            torch.matmul(_fold(qs[b, hs], n), kb.transpose(-2, -1), out=_fold(w, n))
+            # (the queries reshaped: a copy where they are a view of (B, L, H, E) projections)
+            q_rows = qs[b, hs].reshape(n, -1, qs.shape[-1])  # (h, L, E) -> (n, G * L, E)
+            torch.matmul(q_rows, kb.transpose(-2, -1), out=_fold(w, n))
             _softmax_(w, None, lse, b, hs, rs)
             torch.matmul(_fold(w, n), vb, out=_fold(out[b, hs], n))
         else:
@@ -185,7 +187,9 @@ class WeightsAttention(torch.autograd.Function):
         q, k, v, out, lse, mask, weights = ctx.saved_tensors
         scale, average = ctx.scale, ctx.average
         H = q.shape[1]
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        # (dq contiguous, as out= of its blocks: q may be a view of (B, L, H, E) projections,
+        # and a compiled graph takes no out= that is not contiguous)
+        dq, dk, dv = q.new_empty(q.shape), torch.zeros_like(k), torch.zeros_like(v)
         if d_out is None:  # only the weights were used
             d_out = torch.zeros_like(out)
         # rowsum(dW * w) over the part of dW that comes from the output is rowsum(dO * O)

@@ -149,6 +149,14 @@ def _choose(
             "eager", ("return_weights with dropout -- the weights must be the dropped ones",)
         )
     grad = return_weights and _needs_grad(query, key, value, attn_mask)
+    if grad and _exporting():  # (export runs its no_grad forward as the graph: no gradients)
+        return Dispatch(
+            "eager",
+            (
+                "return_weights with autograd under torch.export: the readable formula, whose "
+                "gradients an exported program keeps",
+            ),  # fmt: skip
+        )
     if grad and (query.dtype not in GRAD_WEIGHTS_DTYPES or _needs_grad(attn_mask)):
         return Dispatch(
             "eager",
@@ -214,8 +222,10 @@ def _choose(
                 "dropout_p > 0 on CPU: torch's fused CPU kernel has no dropout (its math path "
                 "is slower and holds (B, H, L, S))"
             )
-            if unfit is None:
-                return Dispatch("cpu_flash", (said, kernels.describe(query, key, value, alignment)))
+            if unfit is None:  # (its tiling described only when asked: the hot path and a
+                # traced graph do not build it, which reads the CPU's flags for bf16 products)
+                tiling = (kernels.describe(query, key, value, alignment),) if why else ()
+                return Dispatch("cpu_flash", (said, *tiling))
             return Dispatch("eager", (said, f"attnlab's blocked kernel does not serve: {unfit}"))
         Ev = query.shape[-1] if value is None else value.shape[-1]
         sizes = (query.shape[-1], Ev, query.shape[-2], key.shape[-2])  # E, Ev, L, S
@@ -229,7 +239,8 @@ def _choose(
             choice = kernels.training_16bit(query.dtype, *sizes)
             said = f"{query.dtype} with autograd on CPU: the faster kernel here ({choice.why})"
             if choice.blocked:
-                return Dispatch("cpu_flash", (said, kernels.describe(query, key, value, alignment)))
+                tiling = (kernels.describe(query, key, value, alignment),) if why else ()
+                return Dispatch("cpu_flash", (said, *tiling))
             measured = said
     if not why:
         return _FUSED
@@ -505,8 +516,9 @@ def _fused(q, k, v, mask, alignment, scale, dropout_p):
         L, S = q.shape[-2], k.shape[-2]
         if alignment == "bottom_right" and L == S:
             alignment = "top_left"  # the same triangle: let torch use its is_causal fast path
-        # (torch's is_causal gives NaN for a scale <= 0: its triangle is -inf before the scale)
-        torch_causal = alignment == "top_left" and mask is None and (scale is None or scale > 0)
+        torch_causal = alignment == "top_left" and mask is None
+        if torch_causal and scale is not None and scale <= 0:  # (a Python bool: a guard)
+            torch_causal = False  # torch's is_causal: NaN for a scale <= 0 (-inf, then scaled)
         if alignment == "bottom_right" and L == 1:
             alignment = None  # the last position sees every key
         if not torch_causal:
