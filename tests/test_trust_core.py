@@ -345,6 +345,38 @@ def test_function_compiles_fullgraph_and_differentiates(case, backend):
     torch.testing.assert_close(qs[1].grad, qs[0].grad, rtol=1e-5, atol=1e-6)
 
 
+MASK_INPUTS = {
+    "padding_mask": lambda: masks.padding_mask([7, 4], 7),
+    "sliding_window_mask": lambda: masks.sliding_window_mask(5, 7, window=3,
+                                                             alignment="bottom_right"),
+    "document_mask, sliced": lambda: masks.Mask(masks.document_mask([3, 4])[-5:]),
+    "causal_mask": lambda: masks.causal_mask(5, 7, alignment="top_left"),
+    "and_masks": lambda: masks.and_masks(masks.causal_mask(5, 7, alignment="bottom_right"),
+                                         masks.padding_mask([7, 4], 7)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", MASK_INPUTS)
+def test_a_mask_of_attnlab_masks_is_an_input_of_compiled_functions(name):
+    """A user compiles the model and passes it masks.padding_mask(...): AOTAutograd refused
+    the Mask subclass as an input of the graph (any use of it, with aot_eager or inductor)."""
+    q, k, v = qkv()
+    m = MASK_INPUTS[name]()
+    fn = Fn()
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, m)
+    torch.testing.assert_close(got, fn(q, k, v, masks.plain(m)), rtol=1e-6, atol=1e-6)
+    assert isinstance(m, masks.Mask) and "True = may attend" in repr(m)  # untouched
+
+
+def test_a_mask_input_compiles_with_inductor():
+    q, k, v = qkv()
+    m = masks.padding_mask([7, 4], 7)
+    torch._dynamo.reset()
+    got = torch.compile(Fn(), fullgraph=True)(q, k, v, m)
+    torch.testing.assert_close(got, Fn()(q, k, v, m), rtol=1e-6, atol=1e-6)
+
+
 def test_a_scale_that_compile_makes_symbolic_keeps_one_graph():
     """A float scale that changes between calls becomes symbolic (dynamic=True, or the default
     after a second value): checking it with math.isfinite broke the graph, and choosing torch's

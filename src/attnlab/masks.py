@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.utils._pytree import tree_map
 
 from attnlab._checks import CAUSAL_ALIGNMENTS
 
@@ -64,8 +65,12 @@ ATTEND, MASKED = "■", "·"
 class Mask(torch.Tensor):
     """A bool tensor (True = may attend) whose ``repr`` is an ASCII picture.
 
-    Any torch operation on a ``Mask`` returns a plain ``torch.Tensor``, so the subclass never
-    leaks into computations.
+    Any torch operation on a ``Mask`` returns a plain ``torch.Tensor`` (an in-place one, the
+    mask itself), so the subclass never leaks into computations. It wraps the plain tensor
+    (``_data``) as torch's traceable subclasses do (``__tensor_flatten__``), so a ``Mask`` may
+    be an input of a ``torch.compile``-d function or an exported program: compiled graphs see
+    the plain tensor. (A subclass that shares its tensor's storage, as this one was, fails
+    in AOTAutograd as an input; inside a traced function a ``Mask`` is never made at all.)
     """
 
     @staticmethod
@@ -76,12 +81,52 @@ class Mask(torch.Tensor):
             # Traced (torch.compile, torch.export, AOTAutograd: fake or functional tensors):
             # the picture is for people, so the plain tensor goes on through the graph.
             return data
-        return torch.Tensor._make_subclass(cls, data, False)
+        return cls._wrap(data)
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+    def _wrap(cls, data: torch.Tensor) -> Mask:
+        mask = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            device=data.device,
+            requires_grad=False,
+        )
+        mask._data = data
+        return mask
+
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Mask._wrap(inner["_data"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x._data if isinstance(x, Mask) else x  # noqa: E731
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        first = func._schema.arguments[:1]
+        if first and first[0].alias_info is not None and first[0].alias_info.is_write:
+            return args[0]  # in place (m &= keep, m[...] = False): the mask itself
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # What reads the storage directly, which a wrapper has not: its tensor's.
+    def numpy(self, *args, **kwargs):
+        return self._data.numpy(*args, **kwargs)
+
+    def tolist(self):
+        return self._data.tolist()
+
+    def __deepcopy__(self, memo):
+        return Mask._wrap(self._data.clone())
+
+    def _stable_hash_for_caching(self) -> str:  # (AOTAutograd's cache of compiled graphs)
+        return "attnlab.masks.Mask"
 
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: ARG002 (torch's signature)
         return show(self)
@@ -92,12 +137,18 @@ class Mask(torch.Tensor):
 def _remember(mask: torch.Tensor, **structure) -> None:
     """Attach to a :class:`Mask` the structure it was built from (``key_range``, ``band``), so
     kernels that take it skip key blocks outside it instead of reading the mask. It holds
-    while the mask is unchanged: torch's version counter, which every in-place change of the
-    mask or of a view of it bumps, is recorded with it (:func:`structure`)."""
+    while the mask is unchanged: torch's version counters, which every in-place change of the
+    mask, of a view of it or of its plain tensor bumps, are recorded with it
+    (:func:`structure`)."""
     if isinstance(mask, Mask):
         for name, value in structure.items():
             setattr(mask, name, value)
-        mask._built_version = mask._version
+        mask._built_version = _versions(mask)
+
+
+def _versions(mask: Mask) -> tuple[int, int]:
+    # (the mask's, bumped by its own in-place ops; its tensor's, by writes through plain())
+    return mask._version, mask._data._version
 
 
 def structure(mask) -> tuple:
@@ -107,18 +158,14 @@ def structure(mask) -> tuple:
     if torch.compiler.is_compiling():  # (traced: torch's ops run, and a version is no guard)
         return None, None
     version = getattr(mask, "_built_version", None)
-    if version is None or mask._version != version:
+    if version is None or _versions(mask) != version:
         return None, None
     return getattr(mask, "key_range", None), getattr(mask, "band", None)
 
 
 def plain(mask: torch.Tensor | None) -> torch.Tensor | None:
     """``mask`` as a plain ``torch.Tensor`` (a :class:`Mask` unwrapped; anything else as is)."""
-    if not isinstance(mask, Mask):
-        return mask
-    if torch.compiler.is_compiling():  # (dynamo cannot trace as_subclass of a subclass;
-        return mask.view_as(mask)  # any op on a Mask gives a plain tensor)
-    return mask.as_subclass(torch.Tensor)
+    return mask._data if isinstance(mask, Mask) else mask
 
 
 def show(mask: torch.Tensor, max_rows: int = 24, max_cols: int = 48) -> str:
@@ -129,7 +176,7 @@ def show(mask: torch.Tensor, max_rows: int = 24, max_cols: int = 48) -> str:
         max_rows, max_cols: larger masks are cut, with "…" marking the cut.
     """
     m = to_bool(mask) if mask.is_floating_point() else mask
-    m = m.as_subclass(torch.Tensor).detach().cpu()
+    m = plain(m).detach().cpu()
     if m.dim() < 2:
         m = m.reshape(1, -1)
     head = (

@@ -56,7 +56,9 @@ class assume_finite:
     out (a NaN key in a masked position, an inf key that scores ``-inf`` for some rows).
     :func:`is_finite_assumed` says which mode is on; :func:`attnlab.functional.explain` says it
     too. The mode is process-wide (all threads), as torch.backends' flags; a compiled graph is
-    traced for the mode it was first called in and recompiled when the mode changes.
+    traced for the mode it was first called in and recompiled when the mode changes, while an
+    exported program (``torch.export``, which keeps no guards) keeps the mode it was exported
+    in.
 
     Args:
         mode: True (the default) to skip the checks, False to apply the NaN rule.
