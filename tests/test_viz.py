@@ -149,6 +149,24 @@ def test_grid_averages_long_maps_down_keeping_the_mass():
     assert "averaged down from 200 x 200" in fig._suptitle.get_text()
 
 
+def test_grid_labels_tokens_only_where_a_cell_is_one_token():
+    """Averaged down (max_cells below the token count), a cell holds several tokens: the
+    panels were labelled t0..t4 as if each row were one token."""
+    rng = np.random.default_rng(4)
+    A = random_weights(rng, 1, 2, 20, 20)
+    tokens = [f"t{i}" for i in range(20)]
+    labels = lambda fig: [t.get_text() for t in fig.axes[0].get_yticklabels() if t.get_text()]  # noqa: E731
+    assert labels(plot_attention_grid(A, tokens, max_cells=5)) == []
+    shown = labels(plot_attention_grid(A, tokens))  # (every other one, at this size)
+    assert shown[:2] == ["t0", "t2"] and set(shown) <= set(tokens)
+
+
+def test_cell_labels_write_weights_of_one_and_more_as_they_are():
+    W = np.array([[0.25, 0.75], [1.0, 2.5]])
+    fig = plot_attention(W, ["a", "b"], annotate=True)
+    assert [t.get_text() for t in fig.axes[0].texts] == [".25", ".75", "1", "2.5"]
+
+
 def test_set_aside_renormalises_rows_and_leaves_dead_rows_at_zero():
     from attnlab.viz.aside import aside_note, set_aside
 
@@ -269,6 +287,8 @@ def test_movement_arrows_go_from_before_to_after_and_pulls_are_proportional_to_w
     rng = np.random.default_rng(6)
     x = rng.normal(size=(11, 16))
     W = random_weights(rng, 11, 11)
+    W[10, 10] = 4 * W[10].max()  # the focus keeps most of its weight on itself
+    W[10] /= W[10].sum()
     after = x + 0.5 * (W @ x)
     fig = plot_movement(x, after, SENTENCE, W, focus="bank", title="m")
     ax = fig.axes[0]
@@ -282,7 +302,9 @@ def test_movement_arrows_go_from_before_to_after_and_pulls_are_proportional_to_w
     widths = np.asarray(pulls.get_linewidths())
     ratio = widths / W[focus, others]
     np.testing.assert_allclose(ratio, ratio[0])  # proportional
-    assert widths.max() == pytest.approx(MAX_PULL_WIDTH * W[focus, others].max() / W[focus].max())
+    # the widest drawn line is MAX_PULL_WIDTH, as in the explorer: the focus's weight on itself
+    # draws no line and sets no scale (it made every line thin when it was the largest)
+    assert widths.max() == pytest.approx(MAX_PULL_WIDTH)
     # each pull line starts at the focus token's old position and ends at the other token's
     P0 = pca(x)
     for seg, j in zip(pulls.get_segments(), others, strict=True):

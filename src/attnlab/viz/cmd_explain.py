@@ -139,7 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="WORD",
         help="the token whose pulls are drawn: a word of TEXT or a token index "
-        "(default: the last word)",
+        "(default: the last token that is not a special one, punctuation included)",
     )
     parser.add_argument(
         "--compare",

@@ -190,7 +190,7 @@ def _annotate(ax: Any, W: np.ndarray, top: float) -> None:
         w = W[i, j]
         if w == 0:  # masked (a causal model's future): left blank, so the mask's shape shows
             continue
-        text = f"{w:.2f}".lstrip("0") if w < 1 else "1"
+        text = f"{w:.2f}".lstrip("0") if 0 <= w < 1 else ("1" if w == 1 else f"{w:.3g}")
         # viridis is dark below ~60% of its range: write white there, black above
         colour = "black" if top > 0 and w / top > 0.6 else "white"
         ax.text(j, i, text, ha="center", va="center", fontsize=6.5, color=colour)
@@ -268,7 +268,9 @@ def plot_attention_grid(
             mosaic[r : r + pl, c : c + ps] = panels[li, col]
 
     thumb = min(1.4, max(0.8, 11.0 / ncols))
-    labelled = max(L, S_shown) <= 24  # token labels beside the first panel, when readable
+    # token labels beside the first panel, when readable, and only where a cell is one token
+    # (a panel averaged down has cells of several)
+    labelled = max(L, S_shown) <= 24 and (pl, ps) == (L, S_shown)
     left, right = (1.1 if labelled else 0.3), 1.9
     heading_lines = (title or "").count("\n") + bool(title) + bool(note)
     top_in, bottom = 0.45 + 0.2 * heading_lines, (0.9 if labelled else 0.3)

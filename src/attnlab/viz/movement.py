@@ -52,9 +52,16 @@ def _focus_index(focus: int | str | None, tokens: list[str]) -> int | None:
     return focus % len(tokens)
 
 
-def pull_widths(weights_row: np.ndarray, max_width: float = MAX_PULL_WIDTH) -> np.ndarray:
-    """Line widths proportional to the weights, the largest drawn ``max_width`` points wide."""
-    top = float(weights_row.max()) if weights_row.size else 0.0
+def pull_widths(
+    weights_row: np.ndarray, max_width: float = MAX_PULL_WIDTH, focus: int | None = None
+) -> np.ndarray:
+    """Line widths proportional to the weights, the largest drawn ``max_width`` points wide.
+
+    ``focus``: the token whose row this is; its weight on itself is no line, so it does not
+    set the scale (as in the explorer page): a focus that keeps 0.8 on itself would have made
+    every drawn line thin."""
+    drawn = weights_row if focus is None else np.delete(weights_row, focus)
+    top = float(drawn.max()) if drawn.size else 0.0
     return weights_row * (max_width / top) if top > 0 else np.zeros_like(weights_row)
 
 
@@ -82,7 +89,7 @@ def _draw_movement(
     halo = [patheffects.withStroke(linewidth=2.5, foreground="white")]
     L = len(tokens)
     if row is not None and focus is not None:
-        widths = pull_widths(row)
+        widths = pull_widths(row, focus=focus)
         others = [j for j in range(L) if j != focus]
         segments = [[P0[focus], P0[j]] for j in others]
         lines = LineCollection(
