@@ -184,6 +184,21 @@ def test_strided_inputs_and_no_grad_modes(blocks):
         np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-gemm", "bf16-widened"])
+def test_bf16_training_takes_heads_that_are_views_of_projections(blocks, monkeypatch, native):
+    """(B, L, H, E) projections seen as (B, H, L, E), as every layer passes them, in bf16:
+    the backward's dK query block was viewed, not reshaped (a RuntimeError)."""
+    monkeypatch.setattr(cf, "native_bf16", lambda: native)
+    q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in inputs(
+        2, 4, 2, 6, 6, 8, 8, dtype=torch.bfloat16))  # fmt: skip
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad(flash_attention(*leaves, None, "top_left", 0.5, 0.0).sum(), leaves)
+    dense = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(flash_attention(*dense, None, "top_left", 0.5, 0.0).sum(), dense)
+    for got, ref in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
 def test_an_expanded_mask_is_sliced_not_materialised(blocks):
     B, H, L, S = 2, 4, 6, 7
     small = torch.rand(B, 1, 1, S, generator=torch.Generator().manual_seed(0)) > 0.3

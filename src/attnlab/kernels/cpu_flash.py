@@ -327,7 +327,7 @@ class _Plan:
             dk_blk = dk[bs, js, :kmax].view(-1, kmax, E)
             if mm != self.dtype:  # bf16: dS^T (s Q / (1 - p)) is dK itself, rounded once
                 qb = torch.mul(self.q[bs, js, :, r0:r1], self.scale / (1.0 - p))
-                qb = qb.view(-1, R, E)  # (n, G*R, E)
+                qb = qb.reshape(-1, R, E)  # (n, G*R, E) (a copy for a view of projections)
             if once:
                 dk_blk.add_(torch.bmm(dS_mm.transpose(1, 2), qb))
             else:
