@@ -172,10 +172,6 @@ class _Plan:
         else:  # one batch row, some heads
             self.batches, self.heads = 1, max(1, BLOCK_BYTES // per_head)
         self.scale, self.scale2 = scale, scale * LOG2E  # 2^(x log2 e) = e^x: exp2 is ~2x faster
-        # dK sums dS^T qb: in float32 qb is the scores' log2(e) s Q, taken back out at the end;
-        # with bf16 products it is s Q / (1 - p), so that a one-block dK is rounded once only
-        # (a factor after a bf16 GEMM rounds it twice: 1.4x the naive formula's error)
-        self.dk_factor = 1.0 if self.mm_dtype != self.dtype else LN2 / (1.0 - dropout_p)
         self.p, self.seed = dropout_p, seed
         self.mask = _mask5(mask, self)
 
@@ -208,7 +204,6 @@ class _Plan:
         """Block scores in base 2, ``log2(e) s Q K^T + M - shift``, (n, G*R, kmax), -inf = masked.
 
         ``shift`` (n, G*R, 1) is subtracted inside the GEMM (``baddbmm``: no pass of its own).
-        Also returns the block's (n, G*R, E) ``log2(e) s Q`` (G heads stacked, GQA folding).
         """
         nb, nh, R = bs.stop - bs.start, js.stop - js.start, r1 - r0
         qb = scratch_view(scratch, "q", (nb, nh, self.G, R, self.E), self.mm_dtype)
@@ -238,7 +233,7 @@ class _Plan:
                 q_pos = torch.arange(r0, r1)[:, None] + self.offset  # (R, 1)
                 hidden = torch.arange(c0, kmax)[None, :] > q_pos  # (R, kmax - c0)
                 s5[..., c0:].masked_fill_(hidden, -inf)
-        return s, qb
+        return s
 
     def kept(self, n, shape, scratch):
         """Block n's dropout keep mask, 1.0 or 0.0: the same draws in forward and backward.
@@ -261,7 +256,7 @@ class _Plan:
         if kmax <= 0:  # every row of the block comes before the first key: dead
             out[bs, js, :, r0:r1] = 0.0
             return
-        s, _ = self.scores(bs, js, r0, r1, kmax, scratch)  # (n, G*R, kmax)
+        s = self.scores(bs, js, r0, r1, kmax, scratch)  # (n, G*R, kmax)
         m = s.amax(-1, keepdim=True)  # (n, G*R, 1)
         dead = m == -inf
         m.masked_fill_(dead, 0.0)  # 2^(-inf - 0) = 0: a dead row sums to 0
@@ -294,7 +289,7 @@ class _Plan:
             R = G * (r1 - r0)
             lse_b = lse2[bs, js, :, r0:r1].reshape(-1, R, 1)  # (n, G*R, 1)
             D_b = None if D is None else D[bs, js, :, r0:r1].reshape(-1, R, 1)
-            s, qb = self.scores(bs, js, r0, r1, kmax, scratch, shift=lse_b)
+            s = self.scores(bs, js, r0, r1, kmax, scratch, shift=lse_b)
             P = s.exp2_()  # (n, G*R, kmax)
             dob = do[bs, js, :, r0:r1].reshape(-1, R, Ev)  # (n, G*R, Ev)
             kb, vb = self.k[bs, js, :kmax].flatten(0, 1), self.v[bs, js, :kmax].flatten(0, 1)
@@ -325,9 +320,10 @@ class _Plan:
             dq_b = torch.bmm(dS_mm, kb).mul_(self.scale / (1.0 - p))
             dq[bs, js, :, r0:r1] = dq_b.view(shape5)
             dk_blk = dk[bs, js, :kmax].view(-1, kmax, E)
-            if mm != self.dtype:  # bf16: dS^T (s Q / (1 - p)) is dK itself, rounded once
-                qb = torch.mul(self.q[bs, js, :, r0:r1], self.scale / (1.0 - p))
-                qb = qb.reshape(-1, R, E)  # (n, G*R, E) (a copy for a view of projections)
+            # dK = dS^T (s Q / (1 - p)), the factor on the (small) query block, so that a bf16
+            # one-block dK is rounded once (a factor after a bf16 GEMM rounds it twice)
+            qb = torch.mul(self.q[bs, js, :, r0:r1], self.scale / (1.0 - p))
+            qb = qb.reshape(-1, R, E)  # (n, G*R, E) (a copy for a view of projections)
             if once:
                 dk_blk.add_(torch.bmm(dS_mm.transpose(1, 2), qb))
             else:
@@ -398,7 +394,7 @@ def _backward(dout, q, k, v, out, lse, mask, alignment, scale, dropout_p, seed):
     )
     return (
         dq.view(B, plan.H, L, E).to(q.dtype),
-        dk.mul_(plan.dk_factor).to(k.dtype),
+        dk.to(k.dtype),
         dv.mul_(1.0 / (1.0 - plan.p)).to(v.dtype),
     )
 

@@ -176,10 +176,11 @@ def check_config(config: dict, device: str = "cpu") -> None:
     """Refuse a config that cannot train, before anything is written.
 
     The numbers are checked one by one (the command line's own checks, again for callers that
-    build configs in Python); a model whose training state alone would not fit in the memory
-    free on ``device`` is refused (:func:`check_model_fits`); then the model is built on the
-    ``meta`` device (shapes only, no memory, no computation), so whatever its constructors
-    refuse is refused here too.
+    build configs in Python); models of one and two layers of these widths are built on the
+    ``meta`` device (shapes only, no memory, no computation), so whatever their constructors
+    refuse is refused here too, and they give the parameter count: a model whose training
+    state alone would not fit in the memory free on ``device`` is refused
+    (:func:`check_model_fits`).
     """
     m = config["model"]
     for key, value in m.items():
@@ -259,9 +260,7 @@ def check_model_fits(model: dict, n: int, device: str) -> None:
     traceback), or swap the machine to a halt."""
     free, where = _free_memory(device)
     need = n * TRAIN_BYTES_PER_PARAMETER
-    if free is None:
-        return
-    if need > free:
+    if free is not None and need > free:
         sizes = ", ".join(f"{OPTION_OF.get(k, k)} {model[k]}" for k in
                           ("hidden", "d_model", "d_ff", *LAYER_KEYS) if k in model)  # fmt: skip
         raise ValueError(
@@ -365,18 +364,22 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, force: bool) -> None:
         return
     check_run_dir_free(run_dir, force=force)
     if (run_dir / ckpt.CONFIG).exists():
-        for name in RUN_FILES:
-            (run_dir / name).unlink(missing_ok=True)
-        shutil.rmtree(run_dir / ckpt.CHECKPOINTS, ignore_errors=True)
+        _remove_run_files(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _remove_run_files(run_dir: Path) -> None:
+    """Remove what a run writes into ``run_dir`` (its run files and checkpoint folder), and
+    nothing else that the folder holds."""
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / ckpt.CHECKPOINTS, ignore_errors=True)
 
 
 def discard_new_run(run_dir: Path, created: bool) -> None:
     """Remove what a new run wrote into ``run_dir`` (its run files and checkpoint folder),
     and the folder itself if this run ``created`` it and nothing else is left in it."""
-    for name in RUN_FILES:
-        (run_dir / name).unlink(missing_ok=True)
-    shutil.rmtree(run_dir / ckpt.CHECKPOINTS, ignore_errors=True)
+    _remove_run_files(run_dir)
     if created and run_dir.is_dir() and not any(run_dir.iterdir()):
         run_dir.rmdir()
 

@@ -463,12 +463,14 @@ def fit(
                 state.elapsed = base_elapsed + time.monotonic() - session_start
                 state.cpu_seconds = base_cpu + time.process_time() - cpu_start
                 tok_loss = float(loss_sum.detach()) / max(1, b.num_tokens)
-                bad = torch.tensor(float(not math.isfinite(tok_loss)))
+                bad = not math.isfinite(tok_loss)
                 if dist.active:  # (every process stops at the same step)
                     import torch.distributed as tdist
 
-                    tdist.all_reduce(bad, op=tdist.ReduceOp.MAX)
-                if bad > 0:  # (its weights, stepped on a NaN, are not saved: see save)
+                    flag = torch.tensor(float(bad))
+                    tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+                    bad = bool(flag > 0)
+                if bad:  # (its weights, stepped on a NaN, are not saved: see save)
                     raise _diverged(f"the training loss is {tok_loss}", state, lr, run_dir)
                 smooth_loss = (
                     tok_loss if smooth_loss is None else 0.98 * smooth_loss + 0.02 * tok_loss
