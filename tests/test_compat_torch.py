@@ -615,3 +615,22 @@ def test_docstring_example_runs():
         attnlab.compat, extraglobs={"torch": torch}, optionflags=doctest.ELLIPSIS
     )
     assert result.attempted >= 5 and result.failed == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("which", ["key_padding_mask", "attn_mask"])
+def test_a_float_mask_out_of_the_inputs_range_is_refused_not_made_dead(dtype, which):
+    # before: a float32 mask row of finfo(float32).min, cast to 16 bits, became -inf: a dead row
+    # (output = out_proj.bias) where torch attends uniformly
+    theirs, ours = pair(dtype=dtype)
+    q, k, v = (t.to(dtype) for t in inputs())
+    mask = torch.zeros(N, S) if which == "key_padding_mask" else torch.zeros(L, S)
+    mask[1] = torch.finfo(torch.float32).min
+    with pytest.raises(ValueError, match=rf"{which} \(torch.float32\).*outside.*True = masked"):
+        ours(q, k, v, **{which: mask}, need_weights=False)
+    mask[1, :3] = -float("inf")  # the fix the message names (a row keeping some keys)
+    mask[1, 3:] = 0.0
+    with torch.no_grad():
+        expected, _ = theirs(q, k, v, **{which: mask}, need_weights=False)
+        got, _ = ours(q, k, v, **{which: mask}, need_weights=False)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)

@@ -218,11 +218,32 @@ def test_nonfinite_scale_and_out_of_range_bias_are_refused():
             AF.hard_attention(q, k, v, scale=scale)
     bias = torch.zeros(5, 7)
     bias[2] = torch.finfo(torch.float32).min
-    with pytest.raises(ValueError, match=r"below torch.float16's range.*-inf"):
+    with pytest.raises(ValueError, match=r"outside torch.float16's range.*-inf"):
         AF.scaled_dot_product_attention(q.half(), k.half(), v.half(), bias)
     bias[2] = -inf  # the fix the message names
     out = AF.scaled_dot_product_attention(q.half(), k.half(), v.half(), bias)
     assert (out[:, :, 2] == 0).all()
+
+
+@pytest.mark.parametrize("where", ["sdpa", "masked_softmax", "additive"])
+def test_a_bias_that_overflows_the_inputs_dtype_either_way_is_refused(where):
+    # before: +1e39 (float64) with float32 inputs became +inf: its row NaN where the oracle is
+    # finite; -1e39 in masked_softmax / additive attention became -inf: a dead row
+    q, k, v = qkv(Hkv=4)
+    w = torch.randn(6, 8), torch.randn(6, 8), torch.randn(6)
+    calls = {
+        "sdpa": lambda b: AF.scaled_dot_product_attention(q, k, v, b),
+        "masked_softmax": lambda b: AF.masked_softmax(q @ k.transpose(-1, -2), b),
+        "additive": lambda b: AF.additive_attention(q, k, v, *w, attn_mask=b),
+    }
+    for big in (1e39, -1e39):
+        bias = torch.zeros(5, 7, dtype=torch.float64)
+        bias[2, :3] = big
+        with pytest.raises(ValueError, match=r"outside torch.float32's range"):
+            calls[where](bias)
+    bias[2, :3] = 1e30  # within float32: accepted, and as the float64 oracle reads it
+    out = calls[where](bias)
+    assert torch.isfinite(out).all()
 
 
 # --- degenerate shapes give torch's results ----------------------------------------------------

@@ -224,25 +224,34 @@ def check_scale(scale: float | None) -> None:
         )
 
 
-def check_bias_range(attn_mask: torch.Tensor, dtype: torch.dtype, name: str = "attn_mask") -> None:
-    """Refuse a float mask whose finite values overflow to -inf in the inputs' ``dtype``.
+def check_bias_range(
+    attn_mask: torch.Tensor,
+    dtype: torch.dtype,
+    name: str = "attn_mask",
+    bool_mask: str = "True = may attend",
+) -> None:
+    """Refuse a float mask whose finite values overflow to +-inf in the inputs' ``dtype``.
 
     A float32 mask filled with ``torch.finfo(torch.float32).min`` gives uniform weights to a
     row it covers entirely; cast to float16 those values become ``-inf`` and the row would be
-    dead instead. Rather than answer differently per dtype, such a mask is refused (eagerly;
-    a traced call cannot look at values and casts as torch does).
+    dead instead (and a large positive bias would become ``+inf``, and its row NaN). Rather
+    than answer differently per dtype, such a mask is refused (eagerly; a traced call cannot
+    look at values and casts as torch does). ``bool_mask`` is what a bool mask means where
+    ``name`` is read (the fix the message offers).
     """
-    if attn_mask.dtype == torch.bool or torch.finfo(attn_mask.dtype).min >= torch.finfo(dtype).min:
+    if attn_mask.dtype == torch.bool or torch.finfo(attn_mask.dtype).max <= torch.finfo(dtype).max:
         return
     if torch.compiler.is_compiling():
         return
-    low = torch.finfo(dtype).min
-    if bool(((attn_mask < low) & (attn_mask > float("-inf"))).any()):
+    overflows = attn_mask.to(dtype).isinf() & attn_mask.isfinite()  # (exactly what the cast does)
+    if bool(overflows.any()):
+        top = torch.finfo(dtype).max
         raise ValueError(
-            f"{name} ({attn_mask.dtype}) holds finite values below {dtype}'s range (< {low:g}, "
-            f"e.g. torch.finfo({attn_mask.dtype}).min); in {dtype} they would become -inf and "
-            f"change which rows attend at all. Fix: mark masked positions with -inf (or use a "
-            f"bool mask, True = may attend), or build the bias in {dtype}."
+            f"{name} ({attn_mask.dtype}) holds finite values outside {dtype}'s range (|x| > "
+            f"{top:g}, e.g. torch.finfo({attn_mask.dtype}).min); in {dtype} they would become "
+            f"-inf or +inf and change which rows attend at all, or make them NaN. Fix: mark "
+            f"masked positions with -inf (or use a bool mask, {bool_mask}), keep biases within "
+            f"+-{top:g}, or build the bias in {dtype}."
         )
 
 

@@ -30,6 +30,10 @@ Differences from torch, kept on purpose:
   distribution as torch's but not the same values for a given seed.
 * ``dropout=1.0`` (every weight dropped) is refused in training mode, as attnlab's dropout
   takes probabilities in [0, 1).
+* A float mask whose finite values lie below the inputs' dtype's range (a float32 mask filled
+  with ``torch.finfo(torch.float32).min`` for bfloat16 inputs) is refused with a
+  ``ValueError``: cast to the inputs' dtype those values become ``-inf`` and a row torch reads
+  as "uniform over its keys" would be dead instead. attnlab's functions refuse it the same way.
 * There is no NestedTensor fast path; where torch's fast path (eval, batch_first,
   self-attention) and slow path differ in rounding, this module follows the slow path.
 
@@ -47,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnlab._checks import divisors
+from attnlab._checks import check_bias_range, divisors
 from attnlab.functional import scaled_dot_product_attention
 from attnlab.masks import restrict
 
@@ -242,6 +246,9 @@ class MultiheadAttention(nn.Module):
         if causal_hint:  # torch drops attn_mask and runs its SDPA's is_causal (top-left)
             mask, causal = None, "top_left"
         else:
+            for name, given in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+                if given is not None:  # (before the cast below turns such values into -inf)
+                    check_bias_range(given, q.dtype, name, "True = masked, as torch reads it")
             mask, causal = _attnlab_mask(attn_mask, key_padding_mask, N, H, k.shape[2] - S), False
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(q.dtype)

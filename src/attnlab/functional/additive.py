@@ -30,7 +30,13 @@ import math
 
 import torch
 
-from attnlab._checks import broadcast_shapes, causal_alignment, check_floating, check_mask
+from attnlab._checks import (
+    broadcast_shapes,
+    causal_alignment,
+    check_bias_range,
+    check_floating,
+    check_mask,
+)
 from attnlab.functional._layout import with_causal
 from attnlab.functional.nonfinite import propagate_nonfinite
 from attnlab.functional.sdpa import Dispatch
@@ -377,6 +383,7 @@ def _checked(query, key, w_query, w_key, w_score, bias, attn_mask, is_causal):
     alignment = causal_alignment(is_causal, L, S)
     if attn_mask is not None:
         check_mask(attn_mask, (*lead, L, S), device=query.device)
+        check_bias_range(attn_mask, torch.float32 if query.dtype in LOW_PRECISION else query.dtype)
     return lead, alignment
 
 

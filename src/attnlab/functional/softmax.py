@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from attnlab._checks import check_dropout, check_floating, check_mask
+from attnlab._checks import check_bias_range, check_dropout, check_floating, check_mask
 from attnlab.functional._layout import grouped_weighted_sum
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def apply_mask(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Scores with the mask applied: bool False -> ``-inf``; a float mask is added."""
+def apply_mask(
+    scores: torch.Tensor, mask: torch.Tensor | None, name: str = "attn_mask"
+) -> torch.Tensor:
+    """Scores with the mask applied: bool False -> ``-inf``; a float mask is added (refused if
+    its finite values would become ``-inf`` in the scores' dtype: :func:`check_bias_range`)."""
     if mask is None:
         return scores
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask, float("-inf"))
+    check_bias_range(mask, scores.dtype, name)
     return scores + mask.to(scores.dtype)
 
 
@@ -57,7 +61,7 @@ def masked_softmax(
     if mask is not None:
         check_mask(mask, tuple(scores.shape), name="mask", device=scores.device)
     x = scores.float() if scores.dtype in LOW_PRECISION else scores
-    x = apply_mask(x, mask)
+    x = apply_mask(x, mask, "mask")
     # A row with no attendable key would be softmax([-inf, ...]) = NaN. Give it finite dummy
     # scores, then zero its weights: the output is 0 and so is the gradient.
     # Only masks make a row dead: a NaN (or +inf) score keeps its row alive and NaN.
