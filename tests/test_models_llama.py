@@ -198,3 +198,29 @@ def test_a_config_computed_otherwise_is_refused_not_loaded(config_cls, extra, na
     with pytest.raises(ValueError) as info:
         LlamaModel.from_hf(hf_model)
     assert named in str(info.value) and "attn_implementation='attnlab'" in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_generate_continues_a_cache_that_holds_tokens_at_the_right_positions(kind):
+    # before: the prefill continued after the cached tokens but every decode step restarted at
+    # position P (the prompt's length): other tokens than decoding the whole sequence at once
+    from attnlab.models import LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=100, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    model = LlamaModel(cfg).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    prefix, prompt = torch.randint(0, 100, (2, 6)), torch.randint(0, 100, (2, 5))
+    whole = model.generate(torch.cat([prefix, prompt], 1), 8)[:, 11:]
+    cache = model.make_cache(kind, max_length=32)
+    with torch.no_grad():
+        model(prefix, cache=cache)
+    continued = model.generate(prompt, 8, cache=cache)
+    assert torch.equal(continued[:, 5:], whole)
+    assert cache.get_seq_length(0) == 6 + 5 + 7  # (the last token needs no forward)
+    with pytest.raises(ValueError, match=r"key_mask .* needs an empty cache; this one holds 18"):
+        model.generate(prompt, 2, cache=cache, key_mask=torch.ones(2, 5, dtype=torch.bool))
+    cache.reset()
+    assert torch.equal(model.generate(prompt, 8, cache=cache), model.generate(prompt, 8))

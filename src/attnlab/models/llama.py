@@ -332,7 +332,9 @@ class LlamaModel(nn.Module):
             input_ids: (B, P) prompt token ids (left-padded when ``key_mask`` is given).
             max_new_tokens: tokens to generate per row.
             cache: ``"dynamic"``, ``"static"``, ``"sliding"`` or a cache object; default
-                ``"static"`` with ``compile=True``, else ``"dynamic"``.
+                ``"static"`` with ``compile=True``, else ``"dynamic"``. A cache object that
+                already holds tokens is continued: they are the context before ``input_ids``,
+                whose positions follow them (``cache.reset()`` first for an unrelated prompt).
             key_mask: (B, P) bool, True = real token (left padding).
             eos_token_id: rows stop at it (later tokens of a stopped row repeat it).
             compile: decode with a compiled step (:class:`attnlab.models.decode.DecodeStep`):
@@ -350,6 +352,8 @@ class LlamaModel(nn.Module):
         Raises:
             TypeError: ``compile=True`` with a dynamic cache (its storage grows); the fix is
                 ``cache="static"``.
+            ValueError: ``key_mask`` with a cache that already holds tokens (a padded prompt
+                starts a sequence).
         """
         from attnlab.models.decode import DecodeStep
 
@@ -366,9 +370,16 @@ class LlamaModel(nn.Module):
         step = DecodeStep(self) if compile else None
         if step is not None:
             step.check_cache_kind(cache)  # before the prefill: fail fast
+        past = cache.get_seq_length(0)  # tokens the cache already holds: the prompt follows them
+        if key_mask is not None and past:
+            raise ValueError(
+                f"key_mask (a left-padded prompt) needs an empty cache; this one holds {past} "
+                f"token(s). Fix: cache.reset() (or a new cache) for a padded prompt, or leave "
+                f"key_mask out to continue the cached sequence."
+            )
         logits = self(input_ids, cache=cache, key_mask=key_mask, logits_to_keep=1)
         if key_mask is None:
-            next_pos = torch.full((B, 1), P, dtype=torch.long, device=input_ids.device)
+            next_pos = torch.full((B, 1), past + P, dtype=torch.long, device=input_ids.device)
         else:
             next_pos = key_mask.long().sum(1, keepdim=True)
         tokens = [input_ids]
