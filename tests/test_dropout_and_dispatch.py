@@ -38,6 +38,19 @@ def test_dropout_drops_and_rescales(p):
     torch.testing.assert_close(out, w @ v.repeat_interleave(G, 1))  # these weights made out
 
 
+@pytest.mark.parametrize("gap", [2**-30, 2**-34])
+def test_dropout_a_hair_below_one_drops_everything_on_the_blocked_kernel(gap):
+    # before: p within 2^-33 of 1 wrapped the kernel's int32 threshold: every weight was kept
+    # and scaled by 1 / (1 - p) ~ 1e10
+    q, k, v = qkv(L=64, S=64)
+    q, k, v = q.float(), k.float(), v.float()
+    p = 1 - gap
+    assert AF.explain(q, k, v, dropout_p=p).path == "cpu_flash"
+    torch.manual_seed(0)
+    out = AF.scaled_dot_product_attention(q, k, v, dropout_p=p)
+    assert (out == 0).all()
+
+
 def test_dropout_is_unbiased_and_off_by_default():
     q, k, v = qkv(L=3, S=5)
     clean = AF.scaled_dot_product_attention(q, k, v)

@@ -156,3 +156,54 @@ def test_the_remembered_structure_is_dropped_when_the_mask_changes_in_place():
         m = build()
         m &= m  # same values, but written: the mask alone now says what it masks
         assert masks.structure(m) == (None, None)
+
+
+def test_the_structure_is_never_trusted_after_a_change_it_cannot_see():
+    # before: padding_mask kept the caller's lengths (a later edit of them changed the ranges
+    # kernels skip by); copy.copy of a changed mask and writes through .data brought the old
+    # structure back; writes through .numpy() went unseen
+    import copy
+
+    lengths = torch.tensor([3, 8])
+    m = masks.padding_mask(lengths, max_length=8)
+    lengths[0] = 8
+    assert masks.structure(m)[0][1].tolist() == [3, 8]
+    array = np.array([3, 8])
+    m = masks.padding_mask(array, max_length=8)
+    array[0] = 8
+    assert masks.structure(m)[0][1].tolist() == [3, 8]
+
+    m = masks.padding_mask([3, 8], max_length=8)
+    m[0, ..., 5] = True
+    c = copy.copy(m)
+    assert masks.structure(c) == (None, None)
+    assert torch.equal(masks.plain(c), masks.plain(m))
+    m = masks.padding_mask([3, 8], max_length=8)
+    m.data[0, ..., 3:] = True
+    assert masks.structure(m) == (None, None)
+    assert m[0, 0, 0].tolist() == [True] * 8
+    m = masks.padding_mask([3, 8], max_length=8)
+    with pytest.raises(ValueError, match="read-only"):
+        m.numpy()[0, 0, 0, 5] = True
+    assert masks.structure(m) != (None, None)
+
+
+def test_a_mask_read_through_dlpack_has_its_values():
+    # before: a Mask has no storage of its own; np.from_dlpack read garbage, torch's crashed
+    m = masks.causal_mask(5, 7, alignment="bottom_right")
+    want = masks.plain(m).numpy()
+    assert np.array_equal(np.from_dlpack(m), want)
+    assert np.array_equal(torch.from_dlpack(m).numpy(), want)
+
+
+@pytest.mark.parametrize("op", ["t_", "unsqueeze_", "transpose_", "squeeze_"])
+def test_an_in_place_reshape_of_a_mask_is_refused(op):
+    # before: the wrapper kept its old shape over data of the new one: later calls failed with
+    # errors naming the old shape
+    m = masks.causal_mask(2, 3, alignment="top_left")
+    args = {"t_": (), "unsqueeze_": (0,), "transpose_": (0, 1), "squeeze_": ()}[op]
+    with pytest.raises(TypeError, match=rf"{op} \(an in-place reshape\).*\(2, 3\)"):
+        getattr(m, op)(*args)
+    assert m.shape == masks.plain(m).shape == (2, 3)
+    out_of_place = getattr(m, op.rstrip("_"))(*args)
+    assert type(out_of_place) is torch.Tensor

@@ -265,6 +265,27 @@ def test_empty_dimensions_give_torchs_result(path, empty):
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("empty", ["L", "S", "E"])
+def test_empty_dimensions_beyond_four_dims_and_an_empty_key_mask(path, empty):
+    # before: RuntimeError "cannot reshape tensor of 0 elements" for a 5-D query with an empty
+    # L, S or E, and for a (S,) mask with S = 0
+    d = {"L": 3, "S": 4, "E": 5}
+    d[empty] = 0
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 2, d["L"], d["E"], generator=g)
+    k = torch.randn(2, 1, 2, d["S"], d["E"], generator=g)
+    v = torch.randn(2, 1, 2, d["S"], 6, generator=g)
+    want = F.scaled_dot_product_attention(q, k, v)
+    got = run_path(path, q, k, v)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want)
+    mask = torch.ones(d["S"], dtype=torch.bool)  # (S,): one row of keys for every query
+    got = run_path(path, q[0, 0], k[0, 0], v[0, 0], mask)
+    assert got.shape == want[0, 0].shape
+    torch.testing.assert_close(got, want[0, 0])
+
+
 def test_hard_and_additive_attention_with_no_keys():
     # before: IndexError (hard) and RuntimeError (additive) for S = 0
     q, k, v = torch.randn(2, 3, 4), torch.randn(2, 0, 4), torch.randn(2, 0, 6)

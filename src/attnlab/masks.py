@@ -61,6 +61,12 @@ __all__ = [
 
 ATTEND, MASKED = "■", "·"
 
+# In-place ops that change a tensor's shape or strides: a wrapper's are fixed when it is made.
+_RESHAPING = frozenset(
+    {"t_", "transpose_", "swapdims_", "swapaxes_", "unsqueeze_", "squeeze_", "as_strided_",
+     "resize_", "resize_as_", "set_"}
+)  # fmt: skip
+
 
 class Mask(torch.Tensor):
     """A bool tensor (True = may attend) whose ``repr`` is an ASCII picture.
@@ -107,23 +113,54 @@ class Mask(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         unwrap = lambda x: x._data if isinstance(x, Mask) else x  # noqa: E731
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
         first = func._schema.arguments[:1]
-        if first and first[0].alias_info is not None and first[0].alias_info.is_write:
-            return args[0]  # in place (m &= keep, m[...] = False): the mask itself
+        in_place = bool(first and first[0].alias_info is not None and first[0].alias_info.is_write)
+        if in_place and func.overloadpacket.__name__ in _RESHAPING and isinstance(args[0], Mask):
+            name = func.overloadpacket.__name__
+            raise TypeError(
+                f"{name} (an in-place reshape) cannot change a Mask's shape {tuple(args[0].shape)}."
+                f" Fix: the out-of-place form, mask.{name.rstrip('_')}(...), which returns a "
+                f"plain bool tensor."
+            )
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if in_place and isinstance(args[0], Mask):  # (m &= keep, m[...] = False)
+            # every holder of this tensor (a copy of the mask, its plain tensor) sees the change
+            torch.autograd.graph.increment_version(args[0]._data)
+            return args[0]  # the mask itself
         return out
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     # What reads the storage directly, which a wrapper has not: its tensor's.
     def numpy(self, *args, **kwargs):
-        return self._data.numpy(*args, **kwargs)
+        """Its values as a read-only NumPy array: a write through NumPy would bypass torch's
+        version counters, and the structure would be trusted although the values changed
+        (``mask.numpy().copy()`` to edit, or change the mask itself: ``mask[i, j] = False``)."""
+        array = self._data.numpy(*args, **kwargs)
+        array.flags.writeable = False
+        return array
+
+    def __dlpack__(self, *args, **kwargs):
+        return self._data.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self._data.__dlpack_device__()
 
     def tolist(self):
         return self._data.tolist()
 
     def __deepcopy__(self, memo):
         return Mask._wrap(self._data.clone())
+
+    def __copy__(self):  # (a copy with its own version counter: it keeps no structure)
+        return Mask._wrap(self._data.clone())
+
+    @property
+    def data(self) -> torch.Tensor:
+        """Its plain tensor, detached; writes through it are seen as changes of the mask (a
+        tensor's ``.data`` would hide them from the version counters, and the structure would
+        be trusted although the values changed)."""
+        return self._data.detach()
 
     def _stable_hash_for_caching(self) -> str:  # (AOTAutograd's cache of compiled graphs)
         return "attnlab.masks.Mask"
@@ -325,7 +362,7 @@ def padding_mask(
         )
     pos = torch.arange(max_length, device=lengths.device)  # (S,)
     if side == "right":
-        start, end = torch.zeros_like(lengths), lengths
+        start, end = torch.zeros_like(lengths), lengths.clone()  # (not the caller's tensor)
     else:
         start, end = max_length - lengths, torch.full_like(lengths, max_length)
     keep = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])  # (B, S)

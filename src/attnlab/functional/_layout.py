@@ -16,6 +16,7 @@ is a view because the heads of one group are adjacent.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -38,14 +39,15 @@ def as_4d(
     """
     nd = query.dim()
     if attn_mask is not None and attn_mask.dim() < 2:  # (S,) or a scalar: (1, S) for torch's
-        attn_mask = attn_mask.reshape(1, -1)
+        attn_mask = attn_mask.reshape(1, attn_mask.numel())  # (not -1: S may be 0)
     if nd == 4:
         return query, key, value, attn_mask, _same
     if attn_mask is not None:  # (..., L, S) -> as many dims as the scores
         attn_mask = attn_mask.reshape((1,) * (nd - attn_mask.dim()) + tuple(attn_mask.shape))
     if nd > 4:  # (..., B, H, L, E) -> (B', H, L, E), B' the product of the leading dims
         lead = query.shape[:-3]
-        flat = lambda t: t.reshape(-1, *t.shape[-3:])  # noqa: E731
+        n = math.prod(lead)  # (not -1: ambiguous when L, S or E is 0)
+        flat = lambda t: t.reshape(n, *t.shape[-3:])  # noqa: E731
         if attn_mask is not None:
             attn_mask = flat(attn_mask.expand(*lead, *attn_mask.shape[-3:]))
         unflat = lambda t: t.reshape(*lead, *t.shape[1:])  # noqa: E731

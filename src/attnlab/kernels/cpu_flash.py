@@ -247,7 +247,8 @@ class _Plan:
         bits = scratch_view(scratch, "r", ((size + 1) // 2,), torch.int64)
         x = bits.random_(-(2**63), None, generator=g).view(torch.int32)[:size].view(shape)
         keep = scratch_view(scratch, "k", shape, self.dtype)
-        return torch.ge(x, -(2**31) + round(self.p * 2**32), out=keep)
+        dropped = min(round(self.p * 2**32), 2**32 - 1)  # (p within 2^-33 of 1: one x kept)
+        return torch.ge(x, -(2**31) + dropped, out=keep)
 
     def forward_block(self, task, out, lse, scratch):
         """Output rows and their (base 2) lse of one block: exact softmax over keys 0:kmax."""
