@@ -237,3 +237,19 @@ def test_a_window_is_causal_through_a_cache_as_without_one(kind, chunks):
         assert (weights.triu(1) == 0).all()  # without a cache: causal
         cached = decode(layer, x, make_cache(kind), chunks)
     torch.testing.assert_close(cached, full, rtol=0, atol=1e-6)
+
+
+def test_a_user_mask_that_does_not_fit_a_caches_keys_names_what_s_is():
+    # before: a raw RuntimeError from torch ("The size of tensor a (3) must match ... (8)") on a
+    # static or sliding-window cache, where S is the cache's slots, not P + L
+    layer = MultiHeadAttention(32, 4, is_causal=True, sliding_window=4, layer_idx=0).eval()
+    x = torch.randn(1, 3, 32)
+    mask = torch.ones(3, 3, dtype=torch.bool)  # (L, P + L), P = 0
+    with torch.no_grad():
+        layer(x, cache=DynamicCache(), mask=mask)  # fits: S = P + L
+        for cache, S in ((StaticCache(8), 8), (SlidingWindowCache(4), 7)):
+            name = type(cache).__name__
+            with pytest.raises(ValueError, match=rf"does not broadcast.*With a {name}, S = {S}"):
+                layer(x, cache=cache, mask=mask)
+        with pytest.raises(ValueError, match=r"mask of shape \(3, 5\) does not broadcast"):
+            layer(x, mask=torch.ones(3, 5, dtype=torch.bool))  # no cache: the window's mask

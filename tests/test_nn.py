@@ -355,7 +355,7 @@ def test_input_errors():
         layer(torch.randn(2, 5, 16), key=torch.randn(2, 5, 12))
     with pytest.raises(ValueError, match="key_mask must be a .* True = real token"):
         layer(torch.randn(2, 5, 16), key_mask=torch.ones(2, 5))
-    with pytest.raises(TypeError, match="attn_mask must be bool"):
+    with pytest.raises(TypeError, match="^mask must be bool"):
         layer(torch.randn(2, 5, 16), mask=torch.ones(5, 5, dtype=torch.int64))
     with pytest.raises(ValueError, match='score="dot" needs query_dim == key_dim'):
         LuongAttention(4, 6, score="dot")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlab._checks import check_floating, divisors
+from attnlab._checks import check_floating, check_mask, divisors
 from attnlab.cache import Cache, SlidingWindowCache
 from attnlab.functional.rotary import apply_rotary_qk, rotate_qk
 from attnlab.functional.sdpa import attention_with
@@ -164,7 +164,9 @@ class MultiHeadAttention(nn.Module):
             value: (B, S, vdim); defaults to ``key``.
             kv: precomputed ``project_kv(key, value)`` for cross-attention (instead of key).
             mask: bool (True = may attend) or additive float, broadcastable to
-                (B, H, L, S).
+                (B, H, L, S). With a ``cache``, S counts the keys it returns: P + L for a
+                :class:`~attnlab.cache.DynamicCache`, its slots for a static or sliding-window
+                one (``cache.key_positions(layer_idx)``: each slot's position, -1 = empty).
             key_mask: (B, S) bool, True = real token. With a ``cache``: (B, L) for the
                 new tokens only; the cache remembers it.
             is_causal: overrides the layer's default. With a cache, causality is always
@@ -247,6 +249,8 @@ class MultiHeadAttention(nn.Module):
                 )
             )
             causal = False
+        if mask is not None:  # (checked before it meets the cache's or window's own mask)
+            _check_user_mask(mask, (B, self.num_heads, L, k.shape[2]), cache, q.device)
         mask = _combine(allowed, plain(mask), key_mask, B, k.shape[2])
         dropout = self.attn_dropout if self.training else 0.0
         want = ("average" if average_weights else True) if return_weights else False
@@ -402,6 +406,20 @@ class MultiHeadAttention(nn.Module):
                 else:
                     layer.o_proj.bias.copy_(module.out_proj.bias)
         return layer
+
+
+def _check_user_mask(mask, scores_shape, cache, device) -> None:
+    """:func:`check_mask` against the scores (B, H, L, S), saying what S is with a cache."""
+    try:
+        check_mask(mask, scores_shape, name="mask", device=device)
+    except ValueError as error:
+        if cache is None or "broadcast" not in str(error):
+            raise
+        raise ValueError(
+            f"{error} With a {type(cache).__name__}, S = {scores_shape[-1]} is the number of "
+            f"keys it returns (P + L for a DynamicCache, the slots of a static or sliding-window "
+            f"cache: cache.key_positions(layer_idx) gives each slot's position)."
+        ) from None
 
 
 def _combine(allowed, mask, key_mask, B, S):
