@@ -18,7 +18,9 @@ Example:
 ``attnlab.pretrained.load_model(name, attn_implementation="attnlab")`` registers by itself, and a
 loaded model switches with ``model.set_attn_implementation("attnlab")`` once registered.
 (``output_attentions=True`` must go to ``forward()``/``generate()``: transformers refuses it in
-the config for anything but ``"eager"``.)
+the config for anything but ``"eager"``. A model whose ``forward`` does not pass it on to its
+attention layers -- GPT-2 in transformers 5.x -- returns no weights with ``"attnlab"``, as with
+``"sdpa"``: the request never reaches the attention function; use ``"eager"`` there.)
 
 How Hugging Face's arguments map onto attnlab's (letters as in docs/conventions.md)::
 
