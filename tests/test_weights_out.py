@@ -67,14 +67,13 @@ def test_weights_out_misuse_is_refused():
                 dropout_p=0.1,
                 weights_out=torch.empty(2, 4, 5, 7, dtype=q.dtype),
             )
-    with pytest.raises(ValueError, match="inference"):
-        AF.scaled_dot_product_attention(
-            q.requires_grad_(),
-            k,
-            v,
-            return_weights=True,
-            weights_out=torch.empty(2, 4, 5, 7, dtype=q.dtype),
-        )
+    for needs_grad in range(3):  # (before: only the query's gradient was looked at, and a
+        # key's or value's was silently dropped from the weights written into the buffer)
+        args = [t.detach().requires_grad_(i == needs_grad) for i, t in enumerate((q, k, v))]
+        with pytest.raises(ValueError, match="inference"):
+            AF.scaled_dot_product_attention(
+                *args, return_weights=True, weights_out=torch.empty(2, 4, 5, 7, dtype=q.dtype)
+            )
 
 
 @pytest.mark.parametrize("return_weights", [True, "average"])

@@ -406,7 +406,7 @@ def attention_with(
         )
     buffer = None  # the caller's weights_out, as a (B, H or 1, L, S) view
     if weights_out is not None:
-        buffer = _check_weights_out(weights_out, query, q, S, return_weights, dropout_p)
+        buffer = _check_weights_out(weights_out, query, q, S, return_weights, dropout_p, k, v)
     if q.shape[1] == 0:  # H = 0 (and Hkv = 0): no heads, nothing to compute
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         weights = q.new_zeros(q.shape[0], 1 if return_weights == "average" else 0, L, S)
@@ -471,7 +471,7 @@ def _eager(q, k, v, mask, alignment, scale, dropout_p):
     return grouped_weighted_sum(weights, v), weights  # (B, H, L, Ev), (B, H, L, S)
 
 
-def _check_weights_out(buffer, query, q, S, return_weights, dropout_p) -> torch.Tensor:
+def _check_weights_out(buffer, query, q, S, return_weights, dropout_p, k, v) -> torch.Tensor:
     """Validate a caller's weights buffer; return it as a (B, H or 1, L, S) view."""
     B, H, L, _ = q.shape
     heads = 1 if return_weights == "average" else H
@@ -479,7 +479,7 @@ def _check_weights_out(buffer, query, q, S, return_weights, dropout_p) -> torch.
     shape = (*query.shape[:-3], L, S) if average else (*query.shape[:-1], S)
     if not return_weights:
         raise ValueError("weights_out is only used with return_weights=True or 'average'.")
-    if dropout_p > 0 or _needs_grad(query):
+    if dropout_p > 0 or _needs_grad(query, k, v):
         raise ValueError(
             "weights_out is for inference: with dropout or autograd the weights are a new "
             "tensor of the graph. Fix: call under torch.no_grad() with dropout_p=0, or drop "
