@@ -522,3 +522,72 @@ def test_hard_weights_of_a_row_holding_nan_or_inf_are_nan_in_both(mode, bad):
     want = R.hard_attention_weights(np64(scores), mode=mode, **kw64)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=0)  # (NaN where NaN)
     assert got[0, 1].isnan().all() and torch.isfinite(got[1]).all()
+
+
+def test_rotary_with_positions_per_batch_row_keeps_the_inputs_shape():
+    # before: x (B, L, E) with positions (B, L) gave (B, B, L, E), batch rows mixed (both twins)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 8, generator=g, dtype=F64)
+    pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
+    want = np.stack([R.apply_rotary(x[b].numpy(), pos[b].numpy()) for b in range(2)])
+    assert R.apply_rotary(x.numpy(), pos.numpy()).shape == (2, 5, 8)
+    np.testing.assert_allclose(R.apply_rotary(x.numpy(), pos.numpy()), want, rtol=0, atol=1e-12)
+    got = AF.apply_rotary(x, pos)
+    assert got.shape == (2, 5, 8)
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-12)
+    x4 = x[:, None].expand(2, 3, 5, 8)  # (B, H, L, E): every head at its row's positions
+    np.testing.assert_allclose(AF.apply_rotary(x4, pos)[:, 1].numpy(), want, atol=1e-12)
+    for bad in (x[:1], x[0]):  # another batch size, or no batch dim at all
+        with pytest.raises(ValueError, match=r"positions \(B, L\) = \(2, 5\) need"):
+            AF.apply_rotary(bad, pos)
+        with pytest.raises(ValueError, match=r"positions \[B, L\] need x of that batch"):
+            R.apply_rotary(bad.numpy(), pos.numpy())
+
+
+def test_a_bool_mask_does_not_clean_a_nan_score_it_forbids():
+    # before: a NaN (or +inf) score under a bool False was replaced by -inf, while the same
+    # mask as a 0 / -inf bias kept it NaN; torch's SDPA reads a bool mask as that bias
+    scores = np.array([[np.nan, 1.0, 2.0], [np.inf, 1.0, 2.0], [0.5, 1.0, 2.0]])
+    keep = np.array([False, True, True])
+    bias = np.where(keep, 0.0, -np.inf)
+    for oracle, torch_fn in (
+        (R.masked_softmax, AF.masked_softmax),
+        (R.hard_attention_weights, AF.hard_attention_weights),
+    ):
+        with np.errstate(invalid="ignore"):
+            want = oracle(scores, bias)
+            got = oracle(scores, keep)
+        np.testing.assert_array_equal(got, want)
+        assert np.isnan(got[:2]).all() and np.isfinite(got[2]).all()
+        t = torch_fn(torch.from_numpy(scores), torch.from_numpy(keep))
+        np.testing.assert_allclose(t.numpy(), want, rtol=1e-14, atol=0)  # (NaN where NaN)
+
+
+def test_the_oracle_refuses_what_its_twins_refuse():
+    # before: it answered silently (a full softmax for topk without top_k, "Left" read as
+    # left padding, an all-False window, NaN for a NaN scale)
+    s = np.zeros((2, 3))
+    q = np.ones((2, 4))
+    for call, match in (
+        (lambda: R.hard_attention_weights(s, mode="topk"), "top_k"),
+        (lambda: R.hard_attention_weights(s, top_k=1), "top_k is only used"),
+        (lambda: R.hard_attention_weights(s, mode="sample", tau=0.0), "tau"),
+        (lambda: R.padding_mask([1, 2], side="Left"), "side"),
+        (lambda: R.sliding_window_mask(3, window=0), "window"),
+        (lambda: R.scaled_dot_product_attention(q, q, q, scale=np.nan), "scale"),
+        (lambda: R.scaled_dot_product_attention(q, q, q, dropout_p=1.0), "dropout_p"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            call()
+    with pytest.raises(ValueError, match="side"):
+        masks.padding_mask([1, 2], side="Left")
+
+
+def test_hard_attention_with_no_keys_is_zero_in_the_oracle_too():
+    # before: the oracle's argmax over an empty axis raised; the torch twin gives 0
+    q, k, v = np.ones((1, 1, 2, 4)), np.ones((1, 1, 0, 4)), np.ones((1, 1, 0, 3))
+    for mode in ("argmax", "sample"):
+        out = R.hard_attention(q, k, v, mode=mode)
+        assert out.shape == (1, 1, 2, 3) and (out == 0).all()
+        twin = AF.hard_attention(*map(torch.from_numpy, (q, k, v)), mode=mode)
+        np.testing.assert_array_equal(twin.numpy(), out)

@@ -47,12 +47,12 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0
                   \\sin(m\\theta), \\quad \\text{rotate\\_half}([x_1, x_2]) = [-x_2, x_1]
 
     Args:
-        x: (B, H, L, E) queries or keys (E even).
-        positions: (L,) or (B, L) integer positions.
+        x: (B, H, L, E) queries or keys (E even); (B, L, E) and (L, E) too.
+        positions: (L,) or (B, L) integer positions ((B, L): x has that batch first).
         base: the frequency base (10000 in RoFormer; 1e5 or 5e5 in some models).
 
     Returns:
-        (B, H, L, E), the dtype of ``x`` (angles are computed in float32).
+        The shape and dtype of ``x`` (angles are computed in float32).
     """
     return apply_rotary_qk(x, None, positions, base)[0]
 
@@ -86,8 +86,15 @@ def rotate_qk(
     with them (as Hugging Face's ``position_embeddings``): the same numbers as
     :func:`apply_rotary_qk`, without recomputing ``cos`` and ``sin`` in every layer.
     """
-    if cos.dim() == 3:  # (B, L, E) -> (B, 1, L, E): the same positions for every head
-        cos, sin = cos[:, None], sin[:, None]
+    if cos.dim() == 3:  # positions per batch row: (B, L, E)
+        if query.dim() not in (3, 4) or query.shape[0] != cos.shape[0]:
+            raise ValueError(
+                f"positions (B, L) = {tuple(cos.shape[:2])} need queries and keys with that "
+                f"batch first, (B, H, L, E) or (B, L, E); got {tuple(query.shape)}. Fix: pass "
+                f"(L,) positions to share them, or one row of positions per batch row."
+            )
+        if query.dim() == 4:  # (B, L, E) -> (B, 1, L, E): the same positions for every head
+            cos, sin = cos[:, None], sin[:, None]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         xf = x.to(torch.promote_types(x.dtype, cos.dtype))  # (16-bit inputs: float32)

@@ -14,11 +14,15 @@ def apply_mask(
     scores: torch.Tensor, mask: torch.Tensor | None, name: str = "attn_mask"
 ) -> torch.Tensor:
     """Scores with the mask applied: bool False -> ``-inf``; a float mask is added (refused if
-    its finite values would become ``-inf`` in the scores' dtype: :func:`check_bias_range`)."""
+    its finite values would become ``-inf`` in the scores' dtype: :func:`check_bias_range`).
+
+    A bool mask acts as the bias ``0`` / ``-inf`` would: ``s - inf`` where it forbids, so a NaN
+    (or ``+inf``) score stays NaN there too -- a mask does not clean a NaN, whatever its dtype.
+    """
     if mask is None:
         return scores
     if mask.dtype == torch.bool:
-        return scores.masked_fill(~mask, float("-inf"))
+        return torch.where(mask, scores, scores - float("inf"))
     check_bias_range(mask, scores.dtype, name)
     return scores + mask.to(scores.dtype)
 

@@ -22,11 +22,13 @@ def _f64(x):
 
 def _apply_mask(scores, mask):
     # [..., L, S] scores; bool mask -> -inf where False; float mask -> added
+    # (a bool mask acts as its bias 0 / -inf would: a NaN or +inf score it forbids is NaN)
     if mask is None:
         return scores
     mask = np.asarray(mask)
     if mask.dtype == bool:
-        return np.where(mask, scores, -np.inf)
+        with np.errstate(invalid="ignore"):  # inf - inf
+            return np.where(mask, scores, scores - np.inf)
     return scores + mask.astype(np.float64)
 
 
@@ -58,6 +60,8 @@ def _heads(x):
 
 
 def _dropout(weights, dropout_p):
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must lie in [0, 1); got {dropout_p!r}")
     if dropout_p == 0:
         return weights
     keep = np.random.default_rng().random(weights.shape) >= dropout_p
@@ -83,6 +87,8 @@ def scaled_dot_product_scores(query, key, scale=None):
     # s_ij = q_i . k_j / sqrt(E): keeps the scores' variance at 1 when q, k have unit variance
     if scale is None:
         scale = 1.0 / np.sqrt(np.shape(query)[-1])
+    if not np.isfinite(scale):
+        raise ValueError(f"scale must be a finite number; got {scale!r}")
     return dot_product_scores(query, key) * scale
 
 
@@ -197,8 +203,10 @@ def additive_attention(
 
 
 def _one_hot_argmax(x):
-    # [..., S] -> one-hot at the first maximum; rows of only -inf -> zeros
+    # [..., S] -> one-hot at the first maximum; rows of only -inf -> zeros (S = 0: no key)
     hard = np.zeros_like(x)
+    if x.shape[-1] == 0:
+        return hard
     np.put_along_axis(hard, x.argmax(axis=-1)[..., None], 1.0, axis=-1)
     return np.where((x > -np.inf).any(axis=-1, keepdims=True), hard, 0.0)
 
@@ -215,6 +223,12 @@ def hard_attention_weights(
 ):
     # [..., L, S] -> [..., L, S]; ties go to the lower index; a row holding a NaN or a +inf
     # score is NaN, as masked_softmax's (a NaN is never turned into a choice)
+    if mode == "topk" and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"mode='topk' needs top_k, an int >= 1; got {top_k!r}")
+    if mode != "topk" and top_k is not None:
+        raise ValueError(f"top_k is only used with mode='topk'; got mode={mode!r}")
+    if mode == "sample" and not tau > 0:
+        raise ValueError(f"tau must be > 0; got {tau!r}")
     x = _apply_mask(_f64(scores), attn_mask)
     nonfinite = (np.isnan(x) | (x == np.inf)).any(axis=-1, keepdims=True)
     if mode == "argmax":  # the best key
@@ -262,13 +276,15 @@ def hard_attention(
 
 
 def apply_rotary(x, positions, base=10000.0):
-    # [B, H, L, E], positions [L] or [B, L] -> [B, H, L, E]
+    # [B, H, L, E] (or [B, L, E], [L, E]), positions [L] or [B, L] -> the shape of x
     # rotate each pair (x_i, x_{i+E/2}) of a token at position m by the angle m * base^(-2i/E)
     x = _f64(x)
     E = x.shape[-1]
     theta = base ** (-np.arange(0, E, 2) / E)  # [E/2]
     angle = np.asarray(positions, dtype=np.float64)[..., None] * theta  # [..., L, E/2]
-    if angle.ndim == 3:  # [B, L, E/2] -> [B, 1, L, E/2]
+    if angle.ndim == 3 and (x.ndim not in (3, 4) or x.shape[0] != angle.shape[0]):
+        raise ValueError(f"positions [B, L] need x of that batch; got x {x.shape}")
+    if angle.ndim == 3 and x.ndim == 4:  # [B, L, E/2] -> [B, 1, L, E/2]: every head
         angle = angle[:, None]
     x1, x2 = x[..., : E // 2], x[..., E // 2 :]
     cos, sin = np.cos(angle), np.sin(angle)

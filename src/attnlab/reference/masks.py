@@ -29,6 +29,8 @@ def causal_mask(query_length, key_length=None, *, alignment=None):
 
 def sliding_window_mask(query_length, key_length=None, *, window, alignment=None, causal=True):
     # -> [L, S]: query at position p sees keys p - window < j <= p (or |j - p| < window)
+    if not isinstance(window, int) or window < 1:  # (as the torch twin: bad input is refused)
+        raise ValueError(f"window must be an int >= 1; got {window!r}")
     q_pos, k_pos = _positions(query_length, key_length, alignment)
     distance = q_pos - k_pos
     keep = np.abs(distance) < window
@@ -41,6 +43,8 @@ def padding_mask(lengths, max_length=None, *, side="right"):
     if max_length is None:
         max_length = int(lengths.max())
     pos = np.arange(max_length)[None, :]
+    if side not in ("right", "left"):
+        raise ValueError(f"side must be 'right' or 'left'; got {side!r}")
     if side == "right":
         keep = pos < lengths[:, None]
     else:
