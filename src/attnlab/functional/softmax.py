@@ -21,8 +21,9 @@ def apply_mask(
     """
     if mask is None:
         return scores
-    if mask.dtype == torch.bool:
-        return torch.where(mask, scores, scores - float("inf"))
+    if mask.dtype == torch.bool:  # (the bias has the mask's shape, not the scores')
+        bias = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
+        return scores + bias.masked_fill_(~mask, float("-inf"))
     check_bias_range(mask, scores.dtype, name)
     return scores + mask.to(scores.dtype)
 
