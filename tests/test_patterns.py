@@ -125,7 +125,7 @@ def test_head_patterns_shapes_and_errors():
     assert table[1].split() == ["layer", "0", "prev", "diag", "broad"]
     with pytest.raises(ValueError, match=r"one head's \(L, S\) map"):
         head_pattern(a)
-    with pytest.raises(ValueError, match=r"\(layers, H, L, S\)"):
+    with pytest.raises(ValueError, match=r"\[layers, H, L, S\]"):
         head_patterns(np.eye(3))
     with pytest.raises(ValueError, match="8 flags"):
         head_pattern(np.eye(L), [True, False])

@@ -606,7 +606,8 @@ def test_explorer_keeps_the_strongest_weights_of_each_row_when_over_budget():
     data = explorer_data(trace, max_bytes=2 * 3 * 40 * 3 * 8)  # room for k = 8
     # key 0 (the first token, which the page can set aside) is kept exactly; of the others,
     # each row keeps its 8 strongest
-    kept = (np.sort(A[..., 1:], axis=-1)[..., -8:].sum(-1) + A[..., 0]).mean()  # rows sum to 1
+    others = A[..., 1:]  # "kept": the share of the other keys' attention the 8 strongest hold
+    kept = (np.sort(others, axis=-1)[..., -8:].sum(-1) / others.sum(-1)).mean()
     assert data["encoding"] == {
         "kind": "topk",
         "k": 8,
@@ -709,3 +710,50 @@ def test_explorer_escapes_markup_in_tokens():
     html = build_explorer(t)
     assert html.count("</script>") == 2  # the data block's and the code block's own ends
     assert page_data(html)["query_tokens"] == ["</script>", "<b>"]
+
+
+def test_what_a_heatmap_would_draw_wrong_is_refused_by_name():
+    # before: an empty map or every key set aside gave NumPy's "zero-size array" error;
+    # negative values were drawn in the colour of 0; vmax <= 0 quietly became 1
+    from attnlab.viz import plot_attention, plot_attention_grid
+
+    W = np.array([[0.9, 0.1], [0.3, 0.7]])
+    cases = [
+        (lambda: plot_attention(W, aside=[True, True]), "every key is set aside"),
+        (lambda: plot_attention(np.zeros((0, 0))), r"no cell to draw: shape \(0, 0\)"),
+        (lambda: plot_attention(np.array([[-3.0, 2.0], [1.0, -1.0]])), "minimum of -3"),
+        (lambda: plot_attention(W, vmax=0.0), "vmax"),
+        (lambda: plot_attention_grid(W[None, None], aside=[True, True]), "every key"),
+        (lambda: plot_attention_grid(-W[None, None]), "softmax"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+    with pytest.raises(ValueError, match="index the extra leading dims"):
+        plot_attention(np.stack([W, W]))  # [H, L, S]: which head is not ours to guess
+
+
+def test_a_trace_takes_torch_stack_of_the_attentions_as_the_grid_does():
+    # before: [layers, B=1, H, L, S] was refused with advice (weights[0]) that kept layer 0 only
+    rng = np.random.default_rng(0)
+    stack = rng.dirichlet(np.ones(4), size=(6, 1, 2, 4))
+    trace = Trace(tokens=list("abcd"), attentions=stack)
+    assert trace.attentions.shape == (6, 2, 4, 4)
+    np.testing.assert_allclose(trace.attentions, stack[:, 0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_the_explorer_takes_a_text_whose_every_key_is_stored_exactly(special):
+    # before: one token (or [CLS][SEP] only) left no column to quantise: "zero-size array"
+    import base64
+
+    from attnlab.viz import build_explorer
+
+    n = 2 if special else 1
+    A = np.full((1, 1, n, n), 1.0 / n)
+    trace = Trace(tokens=["[CLS]", "[SEP]"][:n] if special else ["Hi"], attentions=A,
+                  special=[special] * n)  # fmt: skip
+    page = build_explorer(trace)
+    data = json.loads(re.search(r'application/json">(.*?)</script>', page, re.S).group(1))
+    exact = np.frombuffer(base64.b64decode(data["layers"][0]["exact"]), "<f4")
+    np.testing.assert_allclose(exact, A.ravel())

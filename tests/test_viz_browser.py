@@ -244,7 +244,7 @@ def test_a_512_token_page_stays_small_and_responsive(context, tmp_path):
             action()
             assert float(page.get_attribute("body", "data-render-ms")) < 1000
         notes = page.inner_text("#notes")  # says that rows are top-k, and what they hold
-        assert "only its" in notes and "% of the attention on average" in notes
+        assert "only its" in notes and "% of the other weights' attention on average" in notes
         std, _ = screenshot_variance(page, tmp_path / "long.png")
         assert std > 0.05
         assert seen.errors == []
@@ -501,3 +501,35 @@ def test_hostile_tokens_run_no_script_and_show_as_literal_text(context, tmp_path
             assert dialogs == [] and seen.errors == []
     finally:
         context.remove_listener("dialog", on_dialog)
+
+
+def test_set_aside_divides_a_top_k_row_by_its_true_remaining_sum(context, tmp_path):
+    # before: with only each row's strongest weights stored (a long text), setting the sink
+    # aside divided a row by the sum of the kept weights: values 2-5x the true ones
+    L = 40
+    rng = np.random.default_rng(0)
+    W = np.zeros((2, L, L))
+    W[:, :, 0] = 0.8  # a sink, then the rest of each row spread unevenly over the others
+    rest = rng.random((2, L, L - 1)) ** 4
+    W[:, :, 1:] = 0.2 * rest / rest.sum(-1, keepdims=True)
+    trace = Trace(tokens=[f"t{i}" for i in range(L)], attentions=W[None])
+    path = write_explorer(trace, tmp_path / "topk.html", max_bytes=3000, aside="first")
+    true = W.copy()
+    true[..., 0] = 0
+    true /= true.sum(-1, keepdims=True)
+    with open_page(context, path) as seen:
+        assert seen.page.evaluate("() => window.attnlabExplorer.data.encoding.kind") == "topk"
+        shown = []
+        for head in (0, 1, -1):
+            seen.page.evaluate(f"() => {{ window.attnlabExplorer.state.head = {head}; }}")
+            got = np.array(
+                seen.page.evaluate("() => Array.from(window.attnlabExplorer.shown())")
+            ).reshape(L, L)
+            shown.append(got)
+        tol = true.max() / 510 + 1e-6  # 8 bits of a row's largest other weight
+        for head in (0, 1):
+            kept = shown[head] > 0  # the rest of a row was left out of the page: it shows as 0
+            assert 4 <= kept.sum(1).min() and kept.sum(1).max() < L - 1
+            np.testing.assert_allclose(shown[head][kept], true[head][kept], atol=tol)
+        # the mean of the heads: the mean of what each head kept, over the true remaining sum
+        np.testing.assert_allclose(shown[2], (shown[0] + shown[1]) / 2, atol=tol)

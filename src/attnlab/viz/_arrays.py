@@ -38,10 +38,19 @@ def squeeze_batch(arr: np.ndarray, name: str, ndim: int, legend: str) -> np.ndar
         arr = arr[0]
     if arr.ndim != ndim:
         raise ValueError(
-            f"{name} must be {legend}; got shape {arr.shape}. "
-            "Fix: select one sentence of the batch (weights[0]) first"
+            f"{name} must be {legend}; got shape {arr.shape}. Fix: index the extra leading "
+            f"dims to the one you mean (a sentence of a batch, a layer, a head) first"
         )
     return arr
+
+
+def layer_stack(attentions: Any, name: str = "attentions") -> np.ndarray:
+    """Attention maps ``[layers, H, L, S]``: also from ``torch.stack(outputs.attentions)``,
+    ``[layers, B=1, H, L, S]`` (float32 stays float32: a long text's maps are not copied)."""
+    A = to_floats(attentions, name)
+    if A.ndim == 5 and A.shape[1] == 1:  # [layers, B=1, H, L, S], as torch.stack(attentions)
+        A = A[:, 0]
+    return squeeze_batch(A, name, 4, "[layers, H, L, S] (or [layers, 1, H, L, S])")
 
 
 def attention_map(weights: Any, name: str = "weights") -> np.ndarray:
@@ -84,3 +93,23 @@ def block_mean(W: np.ndarray, rows: int, cols: int) -> np.ndarray:
         edges = np.linspace(0, S, cols + 1).round().astype(int)
         W = np.add.reduceat(W, edges[:-1], axis=-1) / np.diff(edges)
     return W
+
+
+def check_drawable(W: np.ndarray, name: str, vmax: float | None, kept_keys: int) -> None:
+    """Refuse what a heatmap coloured from 0 up would draw wrong: no cells (or every key set
+    aside), negative values (drawn as 0), a top of the scale that is not above 0."""
+    if W.size == 0 or kept_keys == 0:
+        raise ValueError(
+            f"{name} has no cell to draw: shape {W.shape}"
+            + (", and every key is set aside" if W.size and not kept_keys else "")
+            + ". Fix: pass a map with at least one query and one key (set fewer keys aside)"
+        )
+    low = float(W.min())
+    if low < 0:
+        raise ValueError(
+            f"{name} must be attention weights, >= 0 (colours run from 0 up); got a minimum of "
+            f"{low:g}. Fix: plot softmax(scores), not the scores; a bias or a difference of "
+            f"maps needs a diverging colour map of its own"
+        )
+    if vmax is not None and not float(vmax) > 0:
+        raise ValueError(f"vmax (the top of the colour scale) must be > 0; got {vmax!r}")

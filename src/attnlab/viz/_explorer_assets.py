@@ -97,6 +97,7 @@ JS = r"""
     const enc = DATA.layers[l], rowmax = f32(enc.rowmax), q = bytes(enc.w);
     const ix = DATA.encoding.kind === "topk" ? u16(enc.idx) : null;
     const EX = DATA.encoding.exact, ex = enc.exact ? f32(enc.exact) : null;  // exact columns
+    const total = enc.total ? f32(enc.total) : null;  // top-k: each row's true sum [H, L]
     const levels = DATA.encoding.levels, heads = [];
     for (let h = 0; h < H; h++) {
       const m = new Float32Array(L * S);
@@ -120,7 +121,7 @@ JS = r"""
       }
       heads.push(m);
     }
-    const entry = { heads: heads, mean: null };
+    const entry = { heads: heads, mean: null, total: total, meanTotal: null };
     cache.set(l, entry);
     if (cache.size > 3) cache.delete(cache.keys().next().value);  // keep memory bounded
     return entry;
@@ -136,6 +137,19 @@ JS = r"""
     }
     return e.mean;
   }
+  // Each row's true sum, where the page holds only its strongest weights (else null: the
+  // decoded row sums to it, within the 8 bits' rounding).
+  function rowTotals(l, h) {
+    const e = layerData(l);
+    if (!e.total) return null;
+    if (h >= 0) return e.total.subarray(h * L, (h + 1) * L);
+    if (!e.meanTotal) {
+      const t = new Float32Array(L);
+      for (let x = 0; x < H * L; x++) t[x % L] += e.total[x] / H;
+      e.meanTotal = t;
+    }
+    return e.meanTotal;
+  }
   // What is drawn: the weights, or each row renormalised without some keys. Attention to
   // [CLS]/[SEP] (BERT) or to the first token (a decoder's "attention sink") is often a no-op
   // that hides the rest of the row; setting it aside shows how the rest is shared.
@@ -146,10 +160,17 @@ JS = r"""
     if (!out.size || DATA.kind === "cross") return W;
     const key = state.layer + ":" + state.head + ":" + state.aside;
     if (!shown.has(key)) {
-      const V = new Float32Array(W.length);
+      const V = new Float32Array(W.length), total = rowTotals(state.layer, state.head);
       for (let i = 0; i < L; i++) {
+        // what the row gives the other keys: its true sum less the set-aside keys' (exact)
+        // weights where weak weights were left out, else the sum of what is stored
         let sum = 0;
-        for (let j = 0; j < S; j++) if (!out.has(j)) sum += W[i * S + j];
+        if (total) {
+          sum = total[i];
+          for (const j of out) if (j < S) sum -= W[i * S + j];
+        } else {
+          for (let j = 0; j < S; j++) if (!out.has(j)) sum += W[i * S + j];
+        }
         for (let j = 0; j < S; j++) {
           V[i * S + j] = out.has(j) || sum <= 0 ? 0 : W[i * S + j] / sum;
         }
@@ -586,14 +607,15 @@ JS = r"""
     (enc.exact.length ? "; the weights on the tokens that can be set aside (" +
       enc.exact.map((j) => "“" + short(KT[j]) + "”").join(", ") + ") exactly, and the 8 bits " +
       "relative to the rest of the row" : "") +
-    (enc.kind === "topk" ? "; each row keeps only its " + enc.k + " strongest weights (" +
-      Math.round(100 * enc.kept) + "% of the attention on average), the rest show as 0" : "") +
+    (enc.kind === "topk" ? "; each row keeps only its " + enc.k + " strongest other weights (" +
+      Math.round(100 * enc.kept) + "% of the other weights' attention on average), the rest " +
+      "show as 0 (set aside, a row is still divided by its true remaining sum)" : "") +
     ". Lines show weights ≥ the threshold (at most " + MAX_LINES + ", the strongest). " +
     "Keys: ↑/↓ layer, ←/→ head. Made by attnlab; works offline.";
   if (!DATA.movement) document.getElementById("movement-panel").style.display = "none";
 
   window.attnlabExplorer = {  // for tests and the curious: state, data and the heatmap layout
-    state: state, update: update, matrix: matrix, data: DATA, openHead: openHead,
+    state: state, update: update, matrix: matrix, shown: current, data: DATA, openHead: openHead,
     heatmap: { left: M.left, top: M.top, cell: cell },
   };
   update();

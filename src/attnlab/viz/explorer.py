@@ -29,8 +29,9 @@ Storage (the file stays small, and long inputs stay responsive):
   not to a sink's 0.9, is what keeps a row renormalised without the sink accurate.
 * When ``layers x H x L x S`` is over ``max_bytes``, each row keeps only its ``k`` strongest
   other weights (``k`` as large as the budget allows, at least 4) besides the exact columns; the
-  page says so, and how much of the attention they hold on average. The rest read as 0; they
-  are the weakest of their row.
+  page says so, and how much of the other weights' attention they hold on average. The rest
+  read as 0; they are the weakest of their row. Each row's true sum is stored too, so a row
+  with keys set aside is divided by what it really gives the other keys.
 * Each layer's data is a separate base64 string, decoded only when that layer is shown.
 * Movement coordinates are 16-bit integers scaled to each layer's largest coordinate.
 * Overview thumbnails are each head's map averaged down to at most :data:`THUMB_CELLS` cells a
@@ -90,7 +91,7 @@ def quantize_rows(W: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ([[255, 128, 128]], [0.5])
     """
     W = np.asarray(W, dtype=np.float64)
-    rowmax = W.max(axis=-1)
+    rowmax = W.max(axis=-1, initial=0.0)  # (no columns left to quantise: rowmax 0)
     scale = np.where(rowmax > 0, LEVELS / np.where(rowmax > 0, rowmax, 1.0), 0.0)
     # round half up: np.round rounds half to even, which would be platform-independent too, but
     # floor(x + 0.5) is what the docs above promise and what the page inverts.
@@ -132,12 +133,14 @@ def _encode_layers(
         entry = {"w": _b64(q), "idx": _b64(rest[pick].astype("<u2")), "rowmax": _b64(rowmax)}
         if exact:
             entry["exact"] = _b64(layer[..., exact].astype("<f4"))
+        # each row's true sum: set aside, a row is divided by what it really gives the other
+        # keys, not by the part of it that was kept
+        entry["total"] = _b64(layer.sum(-1).astype("<f4"))  # [H, L]
         layers.append(entry)
-        totals = layer.sum(-1)
-        held = kept.sum(-1) + layer[..., exact].sum(-1)
-        live = totals > 0  # fully masked rows hold nothing to keep
-        kept_mass.append(held[live] / totals[live] if live.any() else np.ones(1))
-    # the share of each row's attention that the kept weights hold, on average
+        totals = others.sum(-1)
+        live = totals > 0  # rows that give the other keys nothing hold nothing to keep
+        kept_mass.append(kept.sum(-1)[live] / totals[live] if live.any() else np.ones(1))
+    # the share of each row's attention to the other keys that the kept weights hold, on average
     meta["kept"] = round(float(np.concatenate([m.ravel() for m in kept_mass]).mean()), 3)
     return meta, layers
 

@@ -19,11 +19,11 @@ import numpy as np
 from ._arrays import (
     attention_map,
     block_mean,
+    check_drawable,
     check_tokens,
     label_step,
+    layer_stack,
     short,
-    squeeze_batch,
-    to_floats,
 )
 from ._mpl import figure_and_axes, new_figure
 from .aside import aside_note, set_aside
@@ -138,6 +138,8 @@ def plot_attention(
     """
     W = attention_map(weights)
     L, S = W.shape
+    kept = S if aside is None else S - int(np.asarray(aside, bool).sum())
+    check_drawable(W, "weights", vmax, kept)
     query_tokens = check_tokens(query_tokens, L, "query_tokens")
     if key_tokens is None and S == L:
         key_tokens = query_tokens
@@ -236,10 +238,7 @@ def plot_attention_grid(
         The :class:`matplotlib.figure.Figure`; ``fig.axes[0].images[0]`` is the tiled image
         (white gaps between panels are masked cells).
     """
-    A = to_floats(attentions, "attentions")  # float32 stays float32: no copy of a long text
-    if A.ndim == 5 and A.shape[1] == 1:  # [layers, B=1, H, L, S], as torch.stack(attentions)
-        A = A[:, 0]
-    A = squeeze_batch(A, "attentions", 4, "[layers, H, L, S]")
+    A = layer_stack(attentions)
     n_layers, H, L, S = A.shape
     tokens = check_tokens(tokens, L, "tokens")
     if key_tokens is None and S == L:
@@ -257,6 +256,7 @@ def plot_attention_grid(
             raise ValueError(f"aside must be {S} flags, one per key; got shape {flags.shape}")
         note = aside_note(key_tokens, flags)
         key_tokens = [t for t, a in zip(key_tokens, flags, strict=True) if not a]
+    check_drawable(A, "attentions", vmax, len(key_tokens))
     panels = np.stack([_panels(A[i], include_mean, flags, max_cells) for i in range(n_layers)])
     S_shown = len(key_tokens)  # [layers, cols, pl, ps] above, averaged down from (L, S_shown)
     ncols, pl, ps = panels.shape[1:]

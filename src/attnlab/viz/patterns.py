@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import to_floats, to_numpy
+from ._arrays import layer_stack, to_numpy
 
 __all__ = [
     "BROAD_MIN_ENTROPY",
@@ -234,14 +234,7 @@ def head_patterns(
         >>> [[p.label for p in layer] for layer in head_patterns(np.eye(3)[None, None])]
         [['diagonal']]
     """
-    a = to_floats(attentions, "attentions")  # float32 stays: each head goes to float64 alone
-    if a.ndim == 5 and a.shape[1] == 1:  # (layers, B=1, H, L, S) -> (layers, H, L, S)
-        a = a[:, 0]
-    if a.ndim != 4:
-        raise ValueError(
-            f"attentions must be (layers, H, L, S); got shape {a.shape}. "
-            "Fix: torch.stack(outputs.attentions)[:, 0] for one sentence"
-        )
+    a = layer_stack(attentions)  # float32 stays: each head goes to float64 alone
     return [
         [head_pattern(a[layer, h], special) for h in range(a.shape[1])] for layer in range(len(a))
     ]

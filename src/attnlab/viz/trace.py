@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import check_tokens, squeeze_batch, to_numpy
+from ._arrays import attention_map, check_tokens, layer_stack, to_numpy
 
 __all__ = [
     "Trace",
@@ -102,9 +102,8 @@ class Trace:
         A = to_numpy(self.attentions, "attentions", np.float32)
         if A.ndim == 3:  # [H, L, S] of one layer, or [layers, L, S] of a one-head model
             A = A[None]
-        A = squeeze_batch(A, "attentions", 4, "[layers, H, L, S]") if A.ndim > 4 else A
-        if A.ndim != 4:
-            raise ValueError(f"attentions must be [layers, H, L, S]; got shape {A.shape}")
+        if A.ndim != 4:  # (and [layers, B=1, H, L, S], as torch.stack(outputs.attentions))
+            A = layer_stack(A)
         self.attentions = A
         n_layers, _, L, S = A.shape
         self.tokens = check_tokens(self.tokens, L, "tokens")
@@ -693,8 +692,7 @@ def merge_subwords(
         >>> merge_subwords(w, [[0, 1]], [[0, 1], [2]])  # 2 subwords -> 1 word, each side
         array([[0.475, 0.525]])
     """
-    W = to_numpy(weights, "weights")
-    W = squeeze_batch(W, "weights", 2, "one attention map [L, S]")
+    W = attention_map(weights)
     out = np.zeros((len(query_groups), len(key_groups)))
     for t, rows in enumerate(query_groups):
         if not rows:
