@@ -374,3 +374,11 @@ def test_explain_a_translation_run(tiny_run, tmp_path, capsys):
         json.loads((out / "summary.json").read_text())["text"]
         == (results["test"]["samples"][0]["source"])
     )
+    # again into the same folder, without the page: the last one's explorer.html is gone with
+    # its summary (before: it stayed, beside pictures and a summary of another text)
+    (out / "notes.txt").write_text("mine")  # not one of show's files: kept
+    argv = [str(tiny_run), "1 June 2001", "--out", str(out), "--no-html", "--quiet"]
+    assert cmd_explain.main(parser.parse_args(argv)) == 0
+    assert {p.name for p in out.iterdir()} == {"alignment.png", "grid.png", "summary.json",
+                                               "notes.txt"}  # fmt: skip
+    assert json.loads((out / "summary.json").read_text())["files"] == ["alignment.png", "grid.png"]

@@ -486,6 +486,21 @@ def _trace(model: Any, tokenizer: Any, text: str, args: argparse.Namespace, say:
     return trace
 
 
+def _clear_previous(out: Path) -> None:
+    """Remove what an earlier ``show`` wrote into ``out`` (the files its summary.json lists,
+    then the summary), before this one writes: a folder never holds a summary.json of another
+    text beside new pictures, nor pictures of another text that this one does not redraw."""
+    summary = out / "summary.json"
+    try:
+        files = json.loads(summary.read_text(encoding="utf-8")).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return  # none, or not one of ours: leave the folder as it is
+    for name in files:
+        if isinstance(name, str) and name == Path(name).name and name != summary.name:
+            (out / name).unlink(missing_ok=True)  # (only plain names: nothing outside out)
+    summary.unlink(missing_ok=True)
+
+
 def _write(fig: Any, path: Path, written: list[str]) -> None:
     from attnlab.viz._mpl import save_figure
 
@@ -515,6 +530,7 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
     where = f"{name} · layer {layer} · {head_label}"
     fit_on = default_fit_on(trace, layer)
     out.mkdir(parents=True, exist_ok=True)
+    _clear_previous(out)
     written: list[str] = []
 
     say(f"drawing figures into {out}/ ...")
@@ -742,6 +758,7 @@ def _explain_translation(args, out: Path, say: _Progress) -> int:
     if trace.num_heads > 1:
         where += f" · {head_label}"
     out.mkdir(parents=True, exist_ok=True)
+    _clear_previous(out)
     written: list[str] = []
     say(f"translation: {getattr(result, 'text', '')!r}; drawing figures into {out}/ ...")
     _write(
