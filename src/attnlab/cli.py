@@ -75,6 +75,32 @@ def positive_int(text: str) -> int:
     return value
 
 
+THREADS_PER_CORE = 4  # --threads allows up to this many threads per core of the machine
+
+
+def max_threads() -> int:
+    """The largest ``--threads``: 4 per core of this machine (``os.cpu_count()``).
+
+    More threads than cores only slows torch down (its OpenMP threads wait for each other), and
+    tens of thousands crash the process inside libgomp (an abort, or a segfault) before
+    Python can say anything: 30000 aborted, 100000 segfaulted.
+    """
+    return THREADS_PER_CORE * (os.cpu_count() or 1)
+
+
+def thread_count(text: str) -> int:
+    """A number of CPU threads: an integer in [1, :func:`max_threads`]."""
+    value = positive_int(text)
+    limit = max_threads()
+    if value > limit:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer in [1, {limit}] ({THREADS_PER_CORE} per core of this "
+            f"machine's {os.cpu_count() or 1}); got {text!r}: pass {os.cpu_count() or 1} "
+            "(one per core) or leave --threads out (the idle cores)"
+        )
+    return value
+
+
 def tokens_or_auto(text: str) -> int | str:
     """``auto`` (measured on the device) or an integer >= 1."""
     return "auto" if text == "auto" else positive_int(text)

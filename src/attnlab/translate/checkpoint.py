@@ -658,6 +658,21 @@ def load_checkpoint(
     a damaged checkpoint raises :class:`RunFileError` and leaves model and optimizer untouched.
     """
     folder = Path(folder)
+    state, weights, tensors = _read_checkpoint(folder, model)
+    _check_optimizer(optimizer, tensors, state["optimizer"], folder / OPTIMIZER, folder / STATE)
+    # checked: now restore
+    model.load_state_dict(weights, strict=False)
+    optimizer.load_state_dict(_optimizer_state_dict(tensors, state.pop("optimizer")))
+    set_rng_state(tensors, state.pop("rng"))
+    return state
+
+
+def _read_checkpoint(
+    folder: Path, model: torch.nn.Module
+) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(state, weights, optimizer and RNG tensors)`` of a checkpoint folder, every file
+    checked (checksums, the state's keys, the weights against ``model``, the generator states);
+    all but the optimizer's groups, which need the optimizer."""
     manifest = _read_manifest(folder)
     blobs = {}
     for fname in CHECKPOINT_FILES:
@@ -682,12 +697,29 @@ def load_checkpoint(
     check_model_tensors(model, weights, folder / WEIGHTS)
     tensors = load_tensors(folder / OPTIMIZER, blobs[OPTIMIZER])
     _check_rng(tensors, state["rng"], folder / OPTIMIZER, folder / STATE)
-    _check_optimizer(optimizer, tensors, state["optimizer"], folder / OPTIMIZER, folder / STATE)
-    # checked: now restore
-    model.load_state_dict(weights, strict=False)
-    optimizer.load_state_dict(_optimizer_state_dict(tensors, state.pop("optimizer")))
-    set_rng_state(tensors, state.pop("rng"))
-    return state
+    return state, weights, tensors
+
+
+def check_resumable(run_dir: str | os.PathLike[str], model: torch.nn.Module) -> Path | None:
+    """The checkpoint folder that :func:`resume_checkpoint` will load for ``model``, checked
+    without restoring anything; None when the run has no checkpoint.
+
+    Called before a resumed session changes the run folder (its config.json, its final files):
+    when every checkpoint is damaged, the first one's :class:`RunFileError` is raised here and
+    the folder is left as it was. (Only the optimizer's parameter groups are left to
+    :func:`load_checkpoint`: they need the optimizer that training builds.)
+    """
+    errors: list[RunFileError] = []
+    for folder in checkpoint_folders(run_dir):
+        try:
+            _read_checkpoint(folder, model)
+        except RunFileError as e:
+            errors.append(e)
+            continue
+        return folder
+    if errors:
+        raise errors[0]
+    return None
 
 
 def resume_checkpoint(

@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         positive_float,
         positive_int,
         seed_int,
+        thread_count,
         tokens_or_auto,
     )
 
@@ -234,9 +235,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--threads",
-        type=positive_int,
+        type=thread_count,
         default=None,
-        help="CPU threads (default: the cores idle now, >= 1)",
+        help="CPU threads, at most 4 per core (default: the cores idle now, >= 1)",
     )
     g.add_argument(
         "--beam-size", type=positive_int, default=None, help="beam for the test translation (4)"
@@ -408,6 +409,7 @@ def main(args: argparse.Namespace) -> int:
     from attnlab.translate.pipeline import (
         build_config,
         check_run_dir_free,
+        data_in_run_dir,
         default_run_dir,
         discard_new_run,
         pick_device,
@@ -418,7 +420,7 @@ def main(args: argparse.Namespace) -> int:
         train_run,
     )
     from attnlab.translate.pipeline import log as log_all
-    from attnlab.translate.tasks import load_task, run_task
+    from attnlab.translate.tasks import DATA_FILE, load_task, run_task
     from attnlab.translate.trainer import init_distributed
 
     check_budget_options(args)
@@ -443,6 +445,8 @@ def main(args: argparse.Namespace) -> int:
 
     task = None
     start_step = 0
+    new_run = not args.resume  # (a resumed run without a checkpoint trains from step 0)
+    created, keep = False, ()  # a new run: whether it made run_dir; files it must not remove
     new_budget = finishing = False  # finishing: a trained run whose evaluation was cut short
     if args.resume:
         run_dir = Path(args.out)
@@ -482,14 +486,24 @@ def main(args: argparse.Namespace) -> int:
         config = build_config(opts, device)  # every setting checked; the model built on no memory
         task = load_task(config["task"])  # bad data fails here, before a run dir is made
         run_dir = Path(args.out or default_run_dir(config))
-        check_run_dir_free(run_dir, force=args.force)  # every process, before any is changed
+        # every process, before any is changed
+        check_run_dir_free(run_dir, force=args.force, config=config)
         created = not run_dir.exists()
+        keep = (DATA_FILE,) if data_in_run_dir(config, run_dir) else ()  # --data RUN/data.tsv
         barrier()
         if dist.main:
-            prepare_run_dir(run_dir, resume=False, force=args.force)
-            place_data(config, run_dir)
-    if dist.main:
-        ckpt.atomic_write_json(run_dir / ckpt.CONFIG, config)
+            prepare_run_dir(run_dir, resume=False, force=args.force, config=config)
+            try:
+                place_data(config, run_dir)
+                ckpt.atomic_write_json(run_dir / ckpt.CONFIG, config)
+            except OSError as e:  # a read-only folder, a full disk
+                discard_new_run(run_dir, created, keep)
+                raise ValueError(
+                    f"--out {run_dir}: cannot write the run's files there "
+                    f"({e.strerror or e}); choose a writable --out"
+                ) from None
+    # A resumed run's config.json (its new budget) is written by train_run once its checkpoint
+    # has been read and checked: a resume that fails before training leaves the run as it was.
     barrier()
     budget = config.get("time_budget_minutes")
     deadline = started + budget * 60 if budget else None
@@ -518,13 +532,15 @@ def main(args: argparse.Namespace) -> int:
             started=started,
             progress_bar=not args.no_progress,
             task=task,
+            save_config=not new_run,
         )
     except Exception:
         # A new run that fails before its first checkpoint (training data that --max-len
         # empties, a model the allocator refuses) holds nothing worth keeping, and its
         # config.json would refuse the corrected command: what this command wrote goes.
-        if not args.resume and dist.main and ckpt.latest_checkpoint(run_dir) is None:
-            discard_new_run(run_dir, created)
+        # Never a resumed run's files (its config.json and data.tsv are the run).
+        if new_run and dist.main and ckpt.latest_checkpoint(run_dir) is None:
+            discard_new_run(run_dir, created, keep)
         raise
     if not dist.main:
         return 0
@@ -534,6 +550,13 @@ def main(args: argparse.Namespace) -> int:
             f"  attnlab train --out {run_dir} --resume"
         )
         return 130
+    if new_run and state.step == 0:
+        log(
+            "warning: nothing was trained: the budget ended before the first step, so the "
+            "scores below are those of an untrained model. Fix: a larger --epochs / "
+            f"--cpu-budget / --time-budget, or train on with: attnlab train --out {run_dir} "
+            "--resume --more-steps N"
+        )
     if resumed and finishing:
         log(f"training was complete at step {state.step}; finishing its evaluation")
     elif resumed:

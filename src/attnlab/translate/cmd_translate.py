@@ -23,7 +23,7 @@ examples:
 
 def add_run_arguments(parser) -> None:
     """The options of the commands that use a trained run: RUN_DIR, beam, device, threads."""
-    from attnlab.cli import device_name, positive_int
+    from attnlab.cli import device_name, positive_int, thread_count
 
     parser.add_argument(
         "run_dir", type=Path, metavar="RUN_DIR", help="a folder written by attnlab train"
@@ -40,9 +40,9 @@ def add_run_arguments(parser) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=positive_int,
+        type=thread_count,
         default=None,
-        help="CPU threads (default: the idle cores, >= 1)",
+        help="CPU threads, at most 4 per core (default: the idle cores, >= 1)",
     )
     parser.add_argument(
         "--compile",

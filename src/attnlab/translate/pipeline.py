@@ -22,7 +22,7 @@ from attnlab.translate import gpu
 from attnlab.translate.models import build_model, count_parameters, model_config
 from attnlab.translate.settings import MODEL_DEFAULTS, PRESETS, TASK_DEFAULTS
 from attnlab.translate.tasks import DATA_FILE, run_task, task_spec
-from attnlab.translate.tokenizer import Tokenizer
+from attnlab.translate.tokenizer import SPECIALS, Tokenizer
 from attnlab.translate.trainer import TrainOptions, fit, init_distributed, probe_step
 
 MODEL_OPTIONS = (
@@ -91,6 +91,13 @@ def resolve(options: dict) -> dict:
             "uses --tokenizer char (one symbol per character); drop --vocab-size or pass "
             "--tokenizer bpe"
         )
+    smallest = MIN_BPE_VOCAB
+    if explicit.get("vocab_size") is not None and explicit["vocab_size"] < smallest:
+        raise ValueError(
+            f"--vocab-size {explicit['vocab_size']} is below the smallest BPE vocabulary, "
+            f"{smallest} (the 256 byte symbols and {smallest - 256} special tokens, which "
+            f"every vocabulary holds); pass --vocab-size {smallest} or more"
+        )
     if explicit.get("tiny") and explicit.get("size") not in (None, "tiny"):
         raise ValueError(
             f"--tiny is --size tiny, and --size {explicit['size']} was given; pick one"
@@ -101,6 +108,9 @@ def resolve(options: dict) -> dict:
     if merged.get("tiny"):
         merged["size"] = "tiny"
     return merged
+
+
+MIN_BPE_VOCAB = 256 + len(SPECIALS)  # byte-level BPE: every byte is a symbol, plus the specials
 
 
 def build_config(o: dict, device: str = "cpu") -> dict:
@@ -301,27 +311,85 @@ RUN_FILES = (
 )
 
 
-def check_run_dir_free(run_dir: Path, *, force: bool) -> None:
-    """Raise unless a new run may start in ``run_dir`` (read-only: every process calls it)."""
+def check_run_dir_free(run_dir: Path, *, force: bool, config: dict | None = None) -> None:
+    """Raise unless a new run may start in ``run_dir`` (read-only: every process calls it).
+
+    Only an attnlab run is ever overwritten (with ``force``): a folder whose config.json is
+    someone else's (a Hugging Face model folder, say) is refused even then, and so is a folder
+    without a run that holds files of the names a run writes (they would be overwritten, or
+    removed if the new run fails). ``config``: the new run's, whose ``--data`` may be the
+    folder's own data.tsv (kept and read in place).
+    """
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--out {run_dir} is a file; pass a folder")
-    if (run_dir / ckpt.CONFIG).exists() and not force:
+    file = run_dir / ckpt.CONFIG
+    if file.exists():
+        what = _foreign_config(file)
+        if what is not None:
+            raise ValueError(
+                f"--out {run_dir} is {what}, not an attnlab run: attnlab train does not "
+                "overwrite it, even with --force; choose another --out"
+            )
+        if not force:
+            raise ValueError(
+                f"{run_dir} already holds a run; continue it with --resume, start it over with "
+                "--force, or choose another --out"
+            )
+        return
+    own_data = config is not None and data_in_run_dir(config, run_dir)
+    taken = [
+        name
+        for name in (*RUN_FILES, ckpt.CHECKPOINTS)
+        if (run_dir / name).exists() and not (name == DATA_FILE and own_data)
+    ]
+    if taken:
         raise ValueError(
-            f"{run_dir} already holds a run; continue it with --resume, start it over with "
-            "--force, or choose another --out"
+            f"--out {run_dir} holds {', '.join(taken)} but no attnlab run (no {ckpt.CONFIG}): "
+            "a new run would overwrite them; choose another --out, or move them out"
         )
+
+
+def _foreign_config(file: Path) -> str | None:
+    """What ``file`` (a folder's config.json) is when it is not an attnlab run's; None if it is."""
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return f"a folder whose {ckpt.CONFIG} is not readable JSON"
+    if isinstance(config, dict) and "attnlab_run" in config:
+        return None
+    if isinstance(config, dict) and ("architectures" in config or "model_type" in config):
+        kind = config.get("model_type")
+        return "a Hugging Face model folder" + (f" ({kind})" if isinstance(kind, str) else "")
+    return f"a folder whose {ckpt.CONFIG} has no 'attnlab_run'"
+
+
+def data_in_run_dir(config: dict, run_dir: Path) -> bool:
+    """Whether the run's ``--data`` file is ``run_dir``'s own data.tsv (read in place, never
+    copied onto itself nor removed)."""
+    spec = config["task"]
+    if spec.get("name") != "tsv" or not spec.get("path"):
+        return False
+    target = run_dir / DATA_FILE
+    if spec["path"] == DATA_FILE:
+        return True
+    try:
+        return target.exists() and os.path.samefile(spec["path"], target)
+    except OSError:
+        return False
 
 
 def place_data(config: dict, run_dir: Path) -> None:
     """Copy a user's pairs file into the run folder and point ``config`` at the copy.
 
     A run folder is self-contained: ``evaluate`` and ``--resume`` read the data from inside it
-    (:func:`attnlab.translate.tasks.run_task`), never from a path a config.json names.
+    (:func:`attnlab.translate.tasks.run_task`), never from a path a config.json names. A
+    ``--data`` that already is the folder's data.tsv is read in place.
     """
     spec = config["task"]
     if spec.get("name") != "tsv" or spec.get("path") == DATA_FILE:
         return
-    shutil.copyfile(spec["path"], run_dir / DATA_FILE)
+    if not data_in_run_dir(config, run_dir):
+        shutil.copyfile(spec["path"], run_dir / DATA_FILE)
     spec["path"] = DATA_FILE
 
 
@@ -358,28 +426,40 @@ def read_run_config(run_dir: str | os.PathLike[str]) -> dict:
     return read_config(path)
 
 
-def prepare_run_dir(run_dir: Path, *, resume: bool, force: bool) -> None:
-    """Make ``run_dir`` ready for a new run (``--force``: remove the old run's files)."""
+def prepare_run_dir(
+    run_dir: Path, *, resume: bool, force: bool, config: dict | None = None
+) -> None:
+    """Make ``run_dir`` ready for a new run (``--force``: remove the old run's files, except
+    the data.tsv that ``config``'s ``--data`` names: the new run reads it)."""
     if resume:
         return
-    check_run_dir_free(run_dir, force=force)
+    check_run_dir_free(run_dir, force=force, config=config)
+    keep = (DATA_FILE,) if config is not None and data_in_run_dir(config, run_dir) else ()
     if (run_dir / ckpt.CONFIG).exists():
-        _remove_run_files(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+        _remove_run_files(run_dir, keep=keep)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"--out {run_dir}: cannot create the run folder ({e.strerror or e}); "
+            "choose a writable --out"
+        ) from None
 
 
-def _remove_run_files(run_dir: Path) -> None:
-    """Remove what a run writes into ``run_dir`` (its run files and checkpoint folder), and
-    nothing else that the folder holds."""
+def _remove_run_files(run_dir: Path, keep: tuple[str, ...] = ()) -> None:
+    """Remove what a run writes into ``run_dir`` (its run files and checkpoint folder, but not
+    those named in ``keep``), and nothing else that the folder holds."""
     for name in RUN_FILES:
-        (run_dir / name).unlink(missing_ok=True)
+        if name not in keep:
+            (run_dir / name).unlink(missing_ok=True)
     shutil.rmtree(run_dir / ckpt.CHECKPOINTS, ignore_errors=True)
 
 
-def discard_new_run(run_dir: Path, created: bool) -> None:
-    """Remove what a new run wrote into ``run_dir`` (its run files and checkpoint folder),
-    and the folder itself if this run ``created`` it and nothing else is left in it."""
-    _remove_run_files(run_dir)
+def discard_new_run(run_dir: Path, created: bool, keep: tuple[str, ...] = ()) -> None:
+    """Remove what a new run wrote into ``run_dir`` (its run files and checkpoint folder, but
+    not those named in ``keep``: a user's data.tsv that it read in place), and the folder
+    itself if this run ``created`` it and nothing else is left in it."""
+    _remove_run_files(run_dir, keep)
     if created and run_dir.is_dir() and not any(run_dir.iterdir()):
         run_dir.rmdir()
 
@@ -424,20 +504,22 @@ def train_run(
     progress_bar: bool = True,
     stop_at_step: int | None = None,
     task=None,
+    save_config: bool = False,
 ):
     """Train (or continue) the run in ``run_dir``; returns ``(model, tokenizer, task, state)``.
 
     ``started``: the command's start time (``time.monotonic()``), so that a time budget counts
     everything (data, tokenizer, training, evaluation). ``eval_reserve``: seconds kept for the
-    evaluation after training.
+    evaluation after training. ``save_config``: write ``config`` to the run's config.json
+    just before training starts (after a resumed run's checkpoint is checked), so that a
+    resume that fails before leaves the run as it was.
     """
     started = time.monotonic() if started is None else started
     dist = init_distributed(device)
     if device.startswith("cuda") and dist.active:
         device = f"cuda:{dist.local_rank}"
         torch.cuda.set_device(device)
-    threads = threads or default_threads()
-    torch.set_num_threads(threads)
+    threads = set_threads(threads)
 
     task = task or run_task(run_dir, config["task"])
     tok_path = run_dir / ckpt.TOKENIZER
@@ -473,6 +555,10 @@ def train_run(
         log(f"note: {dropped} training pair(s) longer than {early.max_len} tokens left out")
     torch.manual_seed(early.seed)
     model = build_model(config["model"], tokenizer.vocab_size).to(device)
+    if resume:
+        # Read and check the checkpoint before the run folder changes at all: a damaged one
+        # raises here, naming its file, and leaves config.json and the final files as they were.
+        ckpt.check_resumable(run_dir, model)
     precision = gpu.resolve_precision(train_cfg.get("precision"), device)
     auto = train_cfg.get("max_tokens") == "auto"
     if auto or train_cfg.get("precision") != precision:
@@ -504,6 +590,8 @@ def train_run(
             if dist.main:
                 ckpt.atomic_write_json(run_dir / ckpt.CONFIG, config)
         opts.train_seconds = config["train"]["train_seconds"]
+    if save_config and dist.main:  # (a resumed run's new budget: its checkpoint is checked)
+        ckpt.atomic_write_json(run_dir / ckpt.CONFIG, config)
     if resume and dist.main:
         # The final files describe the weights of the last completed session; training on
         # makes them stale, and an interrupted session would leave them beside a newer
@@ -544,7 +632,7 @@ def open_run(args):
         )
     device = pick_device(args.device)
     read_run_config(args.run_dir)  # a run folder, not a model folder or a file
-    torch.set_num_threads(args.threads or default_threads())
+    set_threads(args.threads)
     translator = load_run(args.run_dir, device=device)
     if getattr(args, "compile", False):
         kind = translator.config["model"]["kind"]
@@ -555,6 +643,21 @@ def open_run(args):
             )
         translator.compile_decoding = True
     return translator
+
+
+def set_threads(threads: int | None) -> int:
+    """``torch.set_num_threads`` of ``--threads`` (None: :func:`default_threads`), refused
+    beyond :func:`attnlab.cli.max_threads` (tens of thousands crash the process in libgomp)."""
+    from attnlab.cli import max_threads
+
+    if threads is not None and not 1 <= threads <= max_threads():
+        raise ValueError(
+            f"--threads {threads}: expected an integer in [1, {max_threads()}] (4 per core of "
+            f"this machine); pass {os.cpu_count() or 1} (one per core) or leave it out"
+        )
+    threads = threads or default_threads()
+    torch.set_num_threads(threads)
+    return threads
 
 
 def default_threads() -> int:
