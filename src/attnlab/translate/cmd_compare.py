@@ -8,13 +8,22 @@ share one tokenizer (trained once), the seed, the batches and the budget: ``--ti
 minutes of training each (evaluation not counted), ``--cpu-budget`` minutes of CPU time each
 (fair on a busy machine, where a clock budget buys less work as the load grows), or ``--epochs``
 (the same data seen by all).
+
+``--resume`` finishes a comparison in the same ``--out``: it keeps the variants that finished,
+continues a variant that was interrupted from its checkpoint, and trains the missing ones. The
+settings of the comparison (data, size, seed, budget, beam, evaluation limit) are recorded in
+``compare-settings.json`` when it starts; a resume takes the ones it is not given from there and
+refuses different ones, so that every row of the table was made with the settings its title
+states.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import io
+import json
 import shutil
 import time
 from pathlib import Path
@@ -32,6 +41,9 @@ VARIANTS = (
     "transformer-multihead",
     "transformer-gqa",
 )
+SETTINGS = "compare-settings.json"  # the settings of a comparison, written when it starts
+DEFAULTS = {"size": "small", "seed": 1, "beam_size": 4}
+BUDGETS = ("time_budget", "cpu_budget", "epochs")
 COLUMNS = (
     "variant",
     "model",
@@ -58,7 +70,7 @@ examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from attnlab.cli import device_name, positive_float, positive_int, seed_int
+    from attnlab.cli import device_name, positive_float, positive_int, seed_int, thread_count
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
@@ -101,12 +113,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--size",
         choices=["tiny", "small", "base"],
-        default="small",
+        default=None,
         help="model size of every variant (default small)",
     )
-    parser.add_argument("--seed", type=seed_int, default=1, help="random seed (default 1)")
+    parser.add_argument("--seed", type=seed_int, default=None, help="random seed (default 1)")
     parser.add_argument(
-        "--beam-size", type=positive_int, default=4, help="beam for the test translation"
+        "--beam-size", type=positive_int, default=None, help="beam for the test translation (4)"
     )
     parser.add_argument(
         "--eval-limit",
@@ -124,12 +136,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="keep finished variants in --out, train only the missing ones",
+        help="finish the comparison in --out with its recorded settings: keep finished "
+        "variants, continue an interrupted one, train the missing ones",
     )
     parser.add_argument(
         "--device", type=device_name, default="auto", help="cpu, cuda, cuda:N or auto (default)"
     )
-    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads")
+    parser.add_argument(
+        "--threads", type=thread_count, default=None, help="CPU threads, at most 4 per core"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -206,6 +221,85 @@ def write_table(out: Path, rows: list[dict], title: str) -> None:
         pass
 
 
+def _sha256(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return None  # a missing file fails later, with the task's own message
+
+
+def _show_data(s: dict) -> str:
+    return f"--data {s['data']}" if s["task"] == "tsv" else f"--task {s['task']}"
+
+
+def _show(key: str, s: dict) -> str:
+    if key == "budget":
+        kind, value = s["budget"]
+        return f"--{kind.replace('_', '-')} {value:g}"
+    if key == "skip_bad_lines":
+        return "--skip-bad-lines" if s[key] else "no --skip-bad-lines"
+    value = s[key]
+    return f"--{key.replace('_', '-')} {'(none)' if value is None else value}"
+
+
+def resolve_settings(args: argparse.Namespace, recorded: dict | None) -> tuple[dict, list[str]]:
+    """The settings of this comparison, and how they differ from ``recorded`` (a resume's).
+
+    A setting the command line does not give is the recorded one (or the default).
+    """
+    given: dict = {}
+    if args.data is not None:
+        given.update(task="tsv", data=str(Path(args.data).resolve()))
+    elif args.task is not None:
+        given.update(task=args.task, data=None)
+    if args.skip_bad_lines:
+        given["skip_bad_lines"] = True
+    for key in ("size", "seed", "beam_size", "eval_limit"):
+        if getattr(args, key) is not None:
+            given[key] = getattr(args, key)
+    for key in BUDGETS:
+        if getattr(args, key) is not None:
+            given["budget"] = [key, getattr(args, key)]
+    base = recorded or {"task": "bible", "data": None, "skip_bad_lines": False, **DEFAULTS}
+    settings = {"eval_limit": None, **base, **given}
+    if "budget" not in settings:  # a clock budget by default, shorter for the quick task
+        settings["budget"] = ["time_budget", 2.0 if settings["task"] == "dates" else 10.0]
+    settings["data_sha256"] = _sha256(settings["data"]) if settings["task"] == "tsv" else None
+    if recorded is None:
+        return settings, []
+    diffs = []
+    if (settings["task"], settings["data"]) != (recorded.get("task"), recorded.get("data")):
+        diffs.append(f"{_show_data(recorded)} (now {_show_data(settings)})")
+    elif settings["data_sha256"] != recorded.get("data_sha256"):
+        diffs.append(f"--data {settings['data']} (its contents changed since)")
+    for key in ("skip_bad_lines", "size", "seed", "budget", "beam_size", "eval_limit"):
+        if settings[key] != recorded.get(key):
+            diffs.append(f"{_show(key, recorded)} (now {_show(key, settings)})")
+    return settings, diffs
+
+
+def _config_diffs(saved: dict, config: dict, run_dir: Path) -> list[str]:
+    """How a variant's saved config.json differs from the one these settings give (the task's
+    file and split rule aside: the file is compared by its bytes)."""
+    from attnlab.translate.tasks import DATA_FILE
+
+    diffs = []
+    for section in ("task", "tokenizer", "model"):
+        old, new = saved.get(section) or {}, config[section]
+        for key in sorted((set(old) | set(new)) - {"path", "split"}):
+            if old.get(key) != new.get(key):
+                diffs.append(f"{section}.{key} {old.get(key)} (now {new.get(key)})")
+    old, new = saved.get("train") or {}, config["train"]
+    for key in ("seed", "epochs", "cpu_seconds", "train_seconds", "max_steps"):
+        if old.get(key) != new.get(key):
+            diffs.append(f"train.{key} {old.get(key)} (now {new.get(key)})")
+    if config["task"]["name"] == "tsv" and not diffs:
+        if _sha256(str(run_dir / DATA_FILE)) != _sha256(config["task"]["path"]):
+            diffs.append(f"its {DATA_FILE} differs from --data {config['task']['path']}")
+    return diffs
+
+
 def main(args: argparse.Namespace) -> int:
 
     from attnlab.translate import checkpoint as ckpt
@@ -220,7 +314,7 @@ def main(args: argparse.Namespace) -> int:
         train_tokenizer,
     )
     from attnlab.translate.report import final_report
-    from attnlab.translate.tasks import load_task
+    from attnlab.translate.tasks import LEGACY_SPLIT, load_task
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
@@ -236,6 +330,40 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(
             "give one of --time-budget, --cpu-budget and --epochs: the budget must be one thing"
         )
+    task_name = "tsv" if args.data else (args.task or "bible")
+    out = args.out or Path("runs") / f"compare-{task_name}"
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a folder")
+    if out.exists() and any(out.iterdir()) and not args.resume:
+        raise ValueError(
+            f"{out} is not empty; pass --resume to finish the comparison it holds, or "
+            "choose another --out"
+        )
+    recorded = None
+    if args.resume and (out / SETTINGS).is_file():
+        try:
+            recorded = json.loads((out / SETTINGS).read_text(encoding="utf-8"))
+            if not isinstance(recorded, dict) or recorded.get("attnlab_compare") != 1:
+                raise ValueError("not a comparison's settings")
+        except ValueError as e:
+            raise ValueError(
+                f"--resume: {out / SETTINGS} is damaged ({e}); compare in a new --out"
+            ) from None
+    settings, diffs = resolve_settings(args, recorded)
+    if diffs:
+        raise ValueError(
+            f"--resume: {out} holds a comparison with other settings: {'; '.join(diffs)}. Fix: "
+            f"resume it with its own settings (leave them out: --resume reads them from "
+            f"{out / SETTINGS}), or compare these settings in a new --out without --resume"
+        )
+    # the settings this command runs with, recorded or given
+    args.task = settings["task"] if settings["task"] != "tsv" else None
+    args.data = settings["data"]
+    args.skip_bad_lines = settings["skip_bad_lines"] or None
+    args.size, args.seed = settings["size"], settings["seed"]
+    args.beam_size, args.eval_limit = settings["beam_size"], settings["eval_limit"]
+    for key in BUDGETS:
+        setattr(args, key, settings["budget"][1] if settings["budget"][0] == key else None)
     device = pick_device(args.device)
     base = {
         "task": args.task,
@@ -245,18 +373,8 @@ def main(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "beam_size": args.beam_size,
     }
-    task_name = "tsv" if args.data else (args.task or "bible")
+    task_name = settings["task"]
     minutes = args.time_budget
-    if minutes is None and args.epochs is None and args.cpu_budget is None:
-        minutes = 2.0 if task_name == "dates" else 10.0
-    out = args.out or Path("runs") / f"compare-{task_name}"
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; pass a folder")
-    if out.exists() and any(out.iterdir()) and not args.resume:
-        raise ValueError(
-            f"{out} is not empty; pass --resume to reuse its finished variants, or "
-            "choose another --out"
-        )
     # every variant's config is checked (model built on no memory) before anything is written
     configs = {}
     for variant in variants:
@@ -270,13 +388,44 @@ def main(args: argparse.Namespace) -> int:
                 "cpu_budget": args.cpu_budget,
             }
         )
-        configs[variant] = build_config(opts)
+        config = build_config(opts)
+        config["time_budget_minutes"] = None
+        if minutes is not None:
+            config["train"]["train_seconds"] = minutes * 60.0  # training only, same for all
+        configs[variant] = config
+    # A variant trained already must have been trained with these settings (a folder from
+    # before compare-settings.json is checked by its variants' config.json alone).
+    saved = {}
+    for variant in variants:
+        path = out / variant / ckpt.CONFIG
+        if not path.is_file():
+            continue
+        try:
+            saved[variant] = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise ValueError(
+                f"--resume: {path} is damaged ({e}); delete {out / variant} to train it again"
+            ) from None
+        differ = _config_diffs(saved[variant], configs[variant], out / variant)
+        if differ:
+            raise ValueError(
+                f"--resume: {out / variant} was trained with other settings: "
+                f"{'; '.join(differ)}. Fix: resume with the settings it was trained with, or "
+                "compare these settings in a new --out without --resume"
+            )
+    if task_name == "tsv" and any("split" not in c.get("task", {}) for c in saved.values()):
+        for config in configs.values():  # keep the split the first variants were trained on
+            config["task"]["split"] = LEGACY_SPLIT
     # the same data for every variant, loaded once (bad data fails here, before --out is made)
     task = load_task(configs[variants[0]]["task"])
     out.mkdir(parents=True, exist_ok=True)
+    if recorded is None:
+        atomic_write_json(out / SETTINGS, {"attnlab_compare": 1, **settings})
 
     rows = []
     shared_tokenizer = out / ckpt.TOKENIZER
+    if shared_tokenizer.is_file() and recorded is None and not saved:
+        shared_tokenizer.unlink()  # left by an older attnlab for unknown settings: made again
     if args.epochs:
         budget_text = f"{args.epochs:g} epoch(s)"
     elif args.cpu_budget:
@@ -294,22 +443,26 @@ def main(args: argparse.Namespace) -> int:
             log(f"[{n}/{len(variants)}] {variant}: done already")
             rows.append(_row(variant, done))
             continue
-        log(f"[{n}/{len(variants)}] {variant}: training ({budget_text})")
-        config = configs[variant]
-        config["time_budget_minutes"] = None
-        if minutes is not None:
-            config["train"]["train_seconds"] = minutes * 60.0  # training only, same for all
-        if run_dir.exists():
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True)
-        if not shared_tokenizer.is_file():
-            train_tokenizer(task, config).save(shared_tokenizer)
-        shutil.copyfile(shared_tokenizer, run_dir / ckpt.TOKENIZER)
-        place_data(config, run_dir)  # a run folder reads its pairs from itself only
-        ckpt.atomic_write_json(run_dir / ckpt.CONFIG, config)
+        resume = variant in saved and ckpt.latest_checkpoint(run_dir) is not None
+        if resume:  # interrupted: continue from its checkpoint, with its saved config
+            config = saved[variant]
+            step = ckpt.read_checkpoint_state(ckpt.latest_checkpoint(run_dir)).get("step", 0)
+            log(f"[{n}/{len(variants)}] {variant}: resuming its training at step {step}")
+        else:
+            log(f"[{n}/{len(variants)}] {variant}: training ({budget_text})")
+            config = configs[variant]
+            if run_dir.exists():  # no checkpoint: nothing was trained in it
+                shutil.rmtree(run_dir)
+            run_dir.mkdir(parents=True)
+            if not shared_tokenizer.is_file():
+                train_tokenizer(task, config).save(shared_tokenizer)
+            shutil.copyfile(shared_tokenizer, run_dir / ckpt.TOKENIZER)
+            place_data(config, run_dir)  # a run folder reads its pairs from itself only
+            ckpt.atomic_write_json(run_dir / ckpt.CONFIG, config)
         _, _, task, state, dist = train_run(
             run_dir,
             config,
+            resume=resume,
             device=device,
             threads=args.threads,
             progress_bar=not args.no_progress,
@@ -319,8 +472,8 @@ def main(args: argparse.Namespace) -> int:
             continue
         if getattr(state, "interrupted", False):
             log(
-                f"interrupted; finished variants are kept. Continue with: attnlab compare --out "
-                f"{out} --resume"
+                f"interrupted; finished variants and {variant}'s checkpoint are kept. Continue "
+                f"with: attnlab compare --out {out} --resume"
             )
             return 130
         results = final_report(

@@ -9,9 +9,17 @@ the ISO target (``"2005-02-01"``, target units are *characters*) is linked to th
 that states it: the year digits to the year, the month digits to the month's name (or number),
 the day digits to the day. The hyphens have no link.
 
-A user file has no splits of its own. Pairs are assigned by the SHA-256 of their source text
-(so a repeated source never lands in two splits): 5% validation and 5% test, each capped at
-1,000 pairs; the rest train.
+A user file has no splits of its own. Its pairs are grouped by source text (every pair of one
+source lands in the same split) and the groups ranked by the SHA-256 of that source. In that order
+each group goes whole to the test split if it still fits there, else to validation if it fits
+there, else to training. Each held-out split holds at most 5% of the pairs (at most 1,000), so a
+source repeated more often than that always trains: one very common source never fills a held-out
+split. No pair is dropped. With distinct sources this is the first 5% by hash for test, the next
+5% for validation, the rest for training.
+
+Runs trained before this rule (a config.json whose task has no ``"split"``) keep the split they
+were trained on (``"legacy-hash"``: the first 5% by hash, then the next 5%, and the copies of a
+held-out source left out of training), with a warning that counts the pairs it left out.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ TASKS = ("bible", "dates", "tsv")
 DATA_FILE = "data.tsv"  # a user's pairs, copied into the run folder by attnlab train
 HELD_OUT_SHARE = 0.05
 HELD_OUT_MAX = 1000
+SPLIT_RULE = "source-groups"  # how a user's pairs are split (module docstring); in the task spec
+LEGACY_SPLIT = "legacy-hash"  # the rule of runs whose config.json names none
+SPLIT_RULES = (SPLIT_RULE, LEGACY_SPLIT)
 
 
 @dataclass
@@ -54,7 +65,8 @@ def load_task(spec: dict) -> Task:
     """Build a task from its JSON spec (stored in every run's config.json).
 
     ``{"name": "bible"}``, ``{"name": "dates", "train_size": 20000}`` or
-    ``{"name": "tsv", "path": "/abs/pairs.tsv", "skip_bad_lines": false}``.
+    ``{"name": "tsv", "path": "/abs/pairs.tsv", "skip_bad_lines": false, "split":
+    "source-groups"}`` (``split`` defaults to ``"source-groups"``; see the module docstring).
     """
     name = spec.get("name")
     if name == "bible":
@@ -96,7 +108,13 @@ def load_task(spec: dict) -> Task:
             target_units="chars",
         )
     if name == "tsv":
-        return _tsv_task(spec["path"], skip_bad_lines=spec.get("skip_bad_lines", False))
+        rule = spec.get("split", SPLIT_RULE)
+        if rule not in SPLIT_RULES:
+            raise ValueError(
+                f"task.split {rule!r} is not one of {', '.join(SPLIT_RULES)}; leave it out for "
+                f"{SPLIT_RULE}"
+            )
+        return _tsv_task(spec["path"], skip_bad_lines=spec.get("skip_bad_lines", False), rule=rule)
     raise ValueError(f"unknown task {name!r}; expected one of {TASKS}")
 
 
@@ -133,7 +151,9 @@ def run_task(run_dir: str | os.PathLike[str], spec: dict) -> Task:
             f"{config}: task.path {path!r}: no such file in the run folder (the run was trained "
             f"on it; put it back to evaluate or resume)"
         )
-    return load_task({**spec, "path": str(full)})
+    # A run recorded before the split had a rule name was split by the legacy rule: keep the
+    # split it was trained on, or its test pairs could be pairs it trained on.
+    return load_task({"split": LEGACY_SPLIT, **spec, "path": str(full)})
 
 
 def task_spec(task: str, data: str | None, skip_bad_lines: bool, train_size: int | None) -> dict:
@@ -143,7 +163,12 @@ def task_spec(task: str, data: str | None, skip_bad_lines: bool, train_size: int
             raise ValueError(
                 f"--data gives your own pairs, so --task {task} does not apply; drop one of them"
             )
-        return {"name": "tsv", "path": str(Path(data).resolve()), "skip_bad_lines": skip_bad_lines}
+        return {
+            "name": "tsv",
+            "path": str(Path(data).resolve()),
+            "skip_bad_lines": skip_bad_lines,
+            "split": SPLIT_RULE,
+        }
     if skip_bad_lines:
         raise ValueError("--skip-bad-lines applies only to --data FILE; drop it or add --data")
     task = task or "bible"
@@ -197,7 +222,7 @@ def dates_alignments(pairs) -> dict[str, Alignment]:
     return out
 
 
-def _tsv_task(path: str | os.PathLike[str], *, skip_bad_lines: bool) -> Task:
+def _tsv_task(path: str | os.PathLike[str], *, skip_bad_lines: bool, rule: str) -> Task:
     from attnlab.data import load_pairs
 
     try:
@@ -220,18 +245,74 @@ def _tsv_task(path: str | os.PathLike[str], *, skip_bad_lines: bool) -> Task:
             + "; ".join(str(p) for p in problems[:3]),
             file=sys.stderr,
         )
-    n_held = min(HELD_OUT_MAX, int(len(pairs) * HELD_OUT_SHARE))
     if len(pairs) < 20:
         raise ValueError(
             f"{path} has only {len(pairs)} valid pair(s); at least 20 are needed to train and to "
             "hold some out for validation and testing"
         )
-    n_held = max(n_held, 1)
-    order = sorted(pairs, key=lambda p: hashlib.sha256(p.source.encode("utf-8")).hexdigest())
+    n_held = max(1, min(HELD_OUT_MAX, int(len(pairs) * HELD_OUT_SHARE)))
+    if rule == LEGACY_SPLIT:
+        train, validation, test = _legacy_split(pairs, n_held, path)
+    else:
+        train, validation, test = split_by_source(pairs, n_held)
+    empty = [name for name, part in (("validation", validation), ("test", test)) if not part]
+    if empty:
+        n_sources = len({p.source for p in pairs})
+        raise ValueError(
+            f"{path}: no {' or '.join(empty)} split can be held out: its {len(pairs)} pairs have "
+            f"{n_sources} distinct source(s), and a held-out split takes whole sources (a source "
+            f"never lands in two splits) of at most {n_held} pair(s) (5% of the pairs); add "
+            "pairs with other sources, or repeat the common ones less"
+        )
+    return Task("tsv", train, validation, test, problems=problems)
+
+
+def _source_rank(pair: Pair) -> str:
+    return hashlib.sha256(pair.source.encode("utf-8")).hexdigest()
+
+
+def split_by_source(pairs: list[Pair], n_held: int) -> tuple[list[Pair], list[Pair], list[Pair]]:
+    """``(train, validation, test)`` of a user's pairs by the rule of the module docstring.
+
+    Every pair lands in exactly one split, and all the pairs of one source in the same one.
+    Held-out splits are in hash order (a source's copies in file order), training in file order.
+    """
+    groups: dict[str, list[Pair]] = {}
+    for p in pairs:
+        groups.setdefault(p.source, []).append(p)
+    test: list[Pair] = []
+    validation: list[Pair] = []
+    held: set[str] = set()
+    for source in sorted(groups, key=lambda s: _source_rank(groups[s][0])):
+        group = groups[source]
+        for split in (test, validation):  # a group too big for both (> n_held) trains
+            if len(split) + len(group) <= n_held:
+                split.extend(group)
+                held.add(source)
+                break
+    train = [p for p in pairs if p.source not in held]  # file order, for a stable data order
+    return train, validation, test
+
+
+def _legacy_split(pairs: list[Pair], n_held: int, path) -> tuple[list, list, list]:
+    """The split of runs trained before :data:`SPLIT_RULE` (kept so they evaluate and resume on
+    the pairs they were trained on). It leaves out of training the copies of a held-out source
+    that ranked past the held-out splits, and a source may straddle validation and test: the
+    warning says how many pairs that touches."""
+    order = sorted(pairs, key=_source_rank)
     test, validation, train = order[:n_held], order[n_held : 2 * n_held], order[2 * n_held :]
-    # A repeated source must not straddle two splits: move its copies to the first split it hit.
     held = {p.source for p in test} | {p.source for p in validation}
     train = [p for p in train if p.source not in held]
     keep = {id(p) for p in train}
-    train = [p for p in pairs if id(p) in keep]  # file order, for a stable data order
-    return Task("tsv", train, validation, test, problems=problems)
+    train = [p for p in pairs if id(p) in keep]
+    lost = len(pairs) - len(train) - len(validation) - len(test)
+    shared = {p.source for p in test} & {p.source for p in validation}
+    if lost or shared:
+        print(
+            f"warning: {path} is split by the legacy rule of this run (recorded before attnlab "
+            f"split by whole sources): {lost} pair(s) are in no split and {len(shared)} "
+            "source(s) are in both validation and test. The run keeps the split it was trained "
+            "on; train a new run on the file to use every pair",
+            file=sys.stderr,
+        )
+    return train, validation, test
