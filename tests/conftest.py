@@ -67,6 +67,16 @@ def qkv(B=2, H=4, Hkv=2, L=5, S=7, E=8, Ev=8, dtype=torch.float32, seed=0):
     )
 
 
+def run_command(module, argv: list[str]) -> int:
+    """Parse and run one command module (``attnlab.translate.cmd_*``) the way ``attnlab.cli``
+    does."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return module.main(parser.parse_args(argv))
+
+
 class Graphs:
     """A torch.compile backend that keeps the graphs it is given (then runs aot_eager)."""
 

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 
@@ -22,15 +21,9 @@ pytest.importorskip("sacrebleu")
 
 from attnlab.translate import cmd_compare, cmd_train, pipeline  # noqa: E402
 from attnlab.translate.tasks import load_task, run_task, task_spec  # noqa: E402
+from conftest import run_command as run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def run(module, argv: list[str]) -> int:
-    """Parse and run one command the way ``attnlab.cli`` does."""
-    parser = argparse.ArgumentParser()
-    module.add_arguments(parser)
-    return module.main(parser.parse_args(argv))
 
 
 def write(path, lines):

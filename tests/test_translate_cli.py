@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -25,15 +24,9 @@ pytest.importorskip("safetensors")
 pytest.importorskip("sacrebleu")
 
 from attnlab.translate import cmd_compare, cmd_evaluate, cmd_train, cmd_translate  # noqa: E402
+from conftest import run_command as run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def run(module, argv: list[str]) -> int:
-    """Parse and run one command the way ``attnlab.cli`` does."""
-    parser = argparse.ArgumentParser()
-    module.add_arguments(parser)
-    return module.main(parser.parse_args(argv))
 
 
 @pytest.fixture(scope="module")
