@@ -24,6 +24,7 @@ TWINS = [
     "additive_attention",
     "hard_attention_weights",
     "hard_attention",
+    "apply_rotary",
 ]
 
 

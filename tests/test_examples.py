@@ -49,6 +49,17 @@ def test_five_tokens_match_the_tutorial():
     w = torch.softmax(x @ x.T, -1)
     np.testing.assert_allclose(r["context"].numpy(), (w @ x).numpy(), atol=1e-6)
     assert "0.2368" in text
+    # what the tutorial printed as its context vectors is the transposed product, as the note
+    # says (its printed rows 1 and 4, to 4 decimals)
+    np.testing.assert_allclose(
+        r["transposed"].numpy()[[0, 3]],
+        [
+            [0.1780, 0.4262, 0.4843, 0.3858, 0.4458, 0.3576],
+            [0.3600, 0.8420, 0.9404, 0.7560, 0.9062, 0.8448],
+        ],  # fmt: skip
+        atol=1e-4,
+    )
+    assert "0.1780" in text
 
 
 def test_four_words_match_the_tutorial():
@@ -92,6 +103,10 @@ def test_cache_and_rope_examples():
     for kind in ("dynamic", "static", "sliding-window"):
         assert r[kind]["max_error"] < 1e-6
     assert r["sliding-window"]["slots"] == 4 and r["static"]["slots"] == 16
+    assert {k: v["tokens"] for k, v in r.items() if "tokens" in v} == dict.fromkeys(
+        ("dynamic", "static", "sliding-window"), 12
+    )
+    assert "12 tokens seen, 16 slots" in text
     r, _ = examples.rope_relative()
     s = r["scores"]
     assert abs(s[(3, 1)] - s[(10, 8)]) < 1e-5 and abs(s[(3, 1)] - s[(100, 98)]) < 1e-4

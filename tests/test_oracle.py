@@ -591,3 +591,14 @@ def test_hard_attention_with_no_keys_is_zero_in_the_oracle_too():
         assert out.shape == (1, 1, 2, 3) and (out == 0).all()
         twin = AF.hard_attention(*map(torch.from_numpy, (q, k, v)), mode=mode)
         np.testing.assert_array_equal(twin.numpy(), out)
+
+
+def test_rotary_angles_equal_their_numpy_twin():
+    # (the functional had no twin; the README says every function has one)
+    pos = np.array([[0, 3, 7], [2, 5, 1000]])
+    want = R.rotary_angles(pos, 8, base=500.0)
+    got = AF.rotary_angles(torch.from_numpy(pos), 8, base=500.0, dtype=F64)
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_allclose(g.numpy(), w, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="even"):
+        R.rotary_angles(pos, 7)

@@ -37,7 +37,9 @@ def five_tokens() -> tuple[dict, str]:
     weights = AF.masked_softmax(scores)  # rows sum to 1
     context = AF.attention(scores, x)  # (5, 6): c_i = sum_j w_ij x_j
     assert context.shape == x.shape
-    result = {"scores": scores, "weights": weights, "context": context}
+    # what the tutorial printed as context vectors (see the note below)
+    transposed = weights.T @ x  # (5, 6): columns of the weights as mixing coefficients
+    result = {"scores": scores, "weights": weights, "context": context, "transposed": transposed}
     text = "\n".join(
         [
             "Tokens: " + " ".join(FIVE_TOKENS) + f"  -> embeddings {tuple(x.shape)}",
@@ -48,9 +50,13 @@ def five_tokens() -> tuple[dict, str]:
             "row sums: " + _fmt(weights.sum(-1)),
             "context vectors  weights @ x  (shape (5, 6), like the inputs):",
             _fmt(context),
-            "(The tutorial prints other context vectors, e.g. 0.1780 for the first entry; they",
-            " come from an earlier state of its notebook and are not its own weights @ inputs:",
-            f" 0.2368*0.172 + 0.1495*0.265 + ... = {float(context[0, 0]):.4f}.)",
+            "(The tutorial prints other context vectors, e.g. 0.1780 for the first entry: its",
+            " cell ran before the weights' cell shown (In [66] < In [100]) and they are",
+            " weights.T @ inputs, each query mixing by a *column* of weights, normalised over",
+            " the queries (softmax(dim=0), the scores being symmetric): "
+            f"{float(result['transposed'][0, 0]):.4f}.",
+            " Its own formula, c_i = sum_j w_ij x_j with rows that sum to 1, gives "
+            f"0.2368*0.172 + 0.1495*0.265 + ... = {float(context[0, 0]):.4f}.)",
         ]
     )
     return result, text
@@ -154,6 +160,13 @@ def seed004_shapes() -> tuple[dict, str]:
     return result, "\n".join(lines)
 
 
+SLOTS = {  # what a cache's slots are, after its 12 tokens
+    "dynamic": " (its storage doubles as it fills)",
+    "static": " (max_length, allocated once)",
+    "sliding-window": " (the window: the last 4 tokens)",
+}
+
+
 def cache_decoding() -> tuple[dict, str]:
     """A grouped-query layer decoding token by token with each kind of KV cache."""
     from attnlab.cache import DynamicCache, SlidingWindowCache, StaticCache
@@ -174,11 +187,11 @@ def cache_decoding() -> tuple[dict, str]:
             steps = [layer(x[:, :4], cache=cache)]
             steps += [layer(x[:, t : t + 1], cache=cache) for t in range(4, 12)]
         err = float((torch.cat(steps, 1) - full).abs().max())
-        stored = cache._layers[0].keys.shape[2]
-        result[kind] = {"max_error": err, "slots": stored}
+        tokens, stored = cache.get_seq_length(0), cache.capacity  # seen, and slots allocated
+        result[kind] = {"max_error": err, "slots": stored, "tokens": tokens}
         lines.append(
-            f"  {kind:>14} cache: {stored:2d} slots of (Hkv=2, E=8) per layer; "
-            f"decode vs recompute max |diff| = {err:.1e}"
+            f"  {kind:>14} cache: {tokens} tokens seen, {stored:2d} slots of (Hkv=2, E=8) "
+            f"per layer{SLOTS[kind]}; decode vs recompute max |diff| = {err:.1e}"
         )
     lines.append("  the same layer as plain MHA would cache 8 kv heads: 4x the memory of GQA's 2")
     return result, "\n".join(lines)

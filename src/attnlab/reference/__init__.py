@@ -15,6 +15,7 @@ from attnlab.reference.attention import (
     hard_attention,
     hard_attention_weights,
     masked_softmax,
+    rotary_angles,
     scaled_dot_product_attention,
     scaled_dot_product_scores,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "hard_attention_weights",
     "masked_softmax",
     "padding_mask",
+    "rotary_angles",
     "scaled_dot_product_attention",
     "scaled_dot_product_scores",
     "sliding_window_mask",

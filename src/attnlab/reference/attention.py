@@ -275,6 +275,18 @@ def hard_attention(
     return (out, weights) if return_weights else out
 
 
+def rotary_angles(positions, head_dim, base=10000.0, dtype=None):
+    # positions [..., L] -> (cos, sin), each [..., L, E]: the angle m * base^(-2i/E) of pair i,
+    # written twice (for both halves of the head dim, as apply_rotary pairs them)
+    # (dtype: the torch twin's compute dtype; here always float64)
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotary embeddings; got {head_dim}")
+    theta = base ** (-np.arange(0, head_dim, 2) / head_dim)  # [E/2]
+    angle = np.asarray(positions, dtype=np.float64)[..., None] * theta  # [..., L, E/2]
+    angle = np.concatenate([angle, angle], axis=-1)  # [..., L, E]
+    return np.cos(angle), np.sin(angle)
+
+
 def apply_rotary(x, positions, base=10000.0):
     # [B, H, L, E] (or [B, L, E], [L, E]), positions [L] or [B, L] -> the shape of x
     # rotate each pair (x_i, x_{i+E/2}) of a token at position m by the angle m * base^(-2i/E)
