@@ -76,7 +76,8 @@ def test_shape_walkthroughs():
     assert r["sdpa"] == ((2, 3, 6), (2, 3, 4))
     assert r["additive"] == ((2, 3, 6), (2, 3, 4))
     assert r["self_attention"] == ((2, 5, 16), (2, 4, 5, 5))
-    r, _ = examples.seed004_shapes()
+    r, text = examples.seed004_shapes()
+    assert "scales by 1/sqrt(512)" in text  # what the tutorial's multi-query class does
     assert r["multi-head"] == ((1, 8, 10, 64), (1, 8, 10, 64), (1, 10, 512))
     assert r["grouped-query"][1] == (1, 2, 10, 64)
     assert r["multi-query"][1] == (1, 1, 10, 64)

@@ -157,6 +157,14 @@ def seed004_shapes() -> tuple[dict, str]:
     lines.append(f'"I love programming" {tuple(x3.shape)} -> heads {tuple(split.shape)}')
     lines.append("decoding mask, 3 new tokens after 5 cached ones (bottom-right causal):")
     lines.append(str(masks.causal_mask(3, 8, alignment="bottom_right")))
+    lines += [
+        "(Where this differs from the tutorial's classes: its multi-query class gives each query",
+        " head a full-width (512) query, one full-width key and value, scales by 1/sqrt(512)",
+        " and averages 8 output projections -- multi-query attention (Shazeer, 2019) splits the",
+        " query into heads of width 64 that share one key/value head of width 64, scales by",
+        " 1/sqrt(64) and has one output projection, as above; its grouped-query class does not",
+        " run, and its KV-cache classes are unfinished: attnlab.cache, the kv-cache example.)",
+    ]
     return result, "\n".join(lines)
 
 
