@@ -363,3 +363,23 @@ def test_input_errors():
         AdditiveAttention(4, 6, 5)(
             torch.randn(1, 1, 4), torch.randn(1, 3, 6), keys_proj=torch.randn(1, 3, 6)
         )
+
+
+def test_self_attention_of_one_sequence_takes_its_key_mask():
+    # before: x (L, d_in) with key_mask (L,) read L and d_in as (B, S) and asked for a
+    # "(B, S) = (5, 4)" mask
+    from attnlab.nn import SelfAttention
+
+    torch.manual_seed(0)
+    layer = SelfAttention(4, 3, 2).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    keep = torch.tensor([True, True, False, True, False])
+    causal = torch.tril(torch.ones(5, 5, dtype=torch.bool))
+    for mask in (None, causal):
+        out, w = layer(x, mask=mask, key_mask=keep, return_weights=True)
+        batched, wb = layer(x[None], mask=mask, key_mask=keep[None], return_weights=True)
+        torch.testing.assert_close(out, batched[0])
+        torch.testing.assert_close(w, wb[0])
+        assert (w[:, ~keep] == 0).all()
+    with pytest.raises(ValueError, match=r"key_mask must be an \(S,\) = \(5,\)"):
+        layer(x, key_mask=torch.ones(4, dtype=torch.bool))

@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnlab.functional as AF
+import attnlab.reference as R
 from attnlab import masks
 from attnlab.cache import DynamicCache, StaticCache
 from attnlab.nn import DotProductAttention, MultiHeadAttention
-from conftest import qkv
+from conftest import np64, qkv
 
 nan, inf = float("nan"), float("inf")
 
@@ -561,3 +562,22 @@ def test_the_oracle_states_the_nan_policy_and_every_path_agrees(path, where):
     got = run_path(path, q, k, v, mask).numpy()
     assert (np.isnan(got) == np.isnan(want)).all() and np.isnan(want).any()
     np.testing.assert_allclose(got[~np.isnan(want)], want[~np.isnan(want)], rtol=0, atol=1e-12)
+
+
+def test_additive_attention_beyond_four_dims_and_its_second_derivative():
+    # before: (3, 2, 2, L, D) inputs raised "too many values to unpack"; a second derivative
+    # (create_graph=True) failed inside torch ("functions with out=... arguments")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 2, 2, 4, 3, generator=g, dtype=torch.float64)
+    k = torch.randn(3, 2, 2, 5, 3, generator=g, dtype=torch.float64)
+    v = torch.randn(3, 2, 2, 5, 7, generator=g, dtype=torch.float64)
+    W, w = torch.randn(6, 3, generator=g, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    mask = torch.rand(4, 5, generator=g) > 0.3
+    out = AF.additive_attention(q, k, v, W, W, w, attn_mask=mask)
+    want = R.additive_attention(*map(np64, (q, k, v, W, W, w)), attn_mask=mask.numpy())
+    np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=1e-12)
+    q = q[0, 0].clone().requires_grad_()
+    out = AF.additive_attention(q, k[0, 0], v[0, 0], W, W, w)
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dq.sum().backward()

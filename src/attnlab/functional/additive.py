@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from attnlab._checks import (
     broadcast_shapes,
@@ -54,8 +55,12 @@ def _rows_per_chunk(t: torch.Tensor, num_keys: int, attn_dim: int, chunk_bytes: 
 def _half_tanh(a_i: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out = tanh(a_i + b) / 2, via tanh(x) = 2 sigmoid(2x) - 1; a_i, b are pre-doubled.
 
-    On CPU torch's sigmoid runs ~6x faster than its tanh; subtracting 0.5 before the reduction
-    keeps the rounding error that of a plain float32 tanh.
+    On CPU torch's sigmoid runs ~5x faster than its tanh (measured: 1.1 vs 5.3 ms for 8 MiB
+    of float32, one thread). The price is an *absolute* error: sigmoid(2x) is rounded near
+    1/2, so tanh(x)/2 carries up to ~6e-8 (a float32 ulp of 1/2) however small x is, where a
+    plain tanh's error is relative. Weights and outputs keep a naive float32 control's error
+    (a softmax sees score differences); the scores, and the gradient of ``w``, lose relative
+    precision when every pre-activation is small (|x| ~ 1e-2: ~8x the control's error).
     """
     torch.add(a_i[:, None, :], b[None, :, :], out=out)  # (r, 1, A) + (1, S, A) -> (r, S, A)
     return torch.sigmoid(out, out=out).sub_(0.5)
@@ -82,6 +87,7 @@ class _AdditiveScores(torch.autograd.Function):
         return scores
 
     @staticmethod
+    @once_differentiable  # (its buffers are written in place: no graph of the backward)
     def backward(ctx, grad):  # grad (N, L, S)
         a, b, w = ctx.saved_tensors
         N, L, A = a.shape

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from attnlab._checks import check_bias_range, check_dropout, check_floating, check_mask
@@ -113,6 +115,8 @@ def attention(
             f"value must be (..., S, Ev) matching scores (..., L, S): got scores "
             f"{tuple(scores.shape)} and value {tuple(value.shape)}."
         )
+    if scores.dim() > 4:  # (..., B, H, L, S): the leading dims flattened into B, as torch SDPA
+        return _attention_flat(scores, value, attn_mask, dropout_p, return_weights)
     if scores.dim() == 4 and (
         value.shape[0] != scores.shape[0] or scores.shape[1] % value.shape[1] != 0
     ):
@@ -136,3 +140,31 @@ def attention(
     out = grouped_weighted_sum(w4, v4.to(weights.dtype))
     out = out.reshape(tuple(weights.shape[:-2]) + tuple(out.shape[-2:]))
     return (out, weights) if return_weights else out
+
+
+def _attention_flat(scores, value, attn_mask, dropout_p, return_weights):
+    """:func:`attention` of (..., H, L, S) scores and (..., Hkv, S, Ev) values with more than
+    one leading dim: flattened to (N, H, L, S), computed, and shaped back."""
+    lead = tuple(scores.shape[:-3])
+    if tuple(value.shape[:-3]) != lead:
+        raise ValueError(
+            f"value (..., Hkv, S, Ev) must have the scores' leading dims {lead}; got scores "
+            f"{tuple(scores.shape)} and value {tuple(value.shape)}."
+        )
+    n = math.prod(lead)
+    mask = attn_mask
+    if mask is not None:
+        check_mask(mask, tuple(scores.shape), device=scores.device)
+        mask = mask.reshape((1,) * (scores.dim() - mask.dim()) + tuple(mask.shape))
+        mask = mask.expand(*lead, *mask.shape[-3:]).reshape(n, *mask.shape[-3:])
+    out = attention(
+        scores.reshape(n, *scores.shape[-3:]),
+        value.reshape(n, *value.shape[-3:]),
+        mask,
+        dropout_p=dropout_p,
+        return_weights=return_weights,
+    )
+    if not return_weights:
+        return out.reshape(*lead, *out.shape[1:])
+    out, weights = out
+    return out.reshape(*lead, *out.shape[1:]), weights.reshape(scores.shape)

@@ -280,10 +280,20 @@ class SelfAttention(nn.Module):
         return_weights: bool = False,
         **torch_names,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """(B, L, d_in) or (L, d_in) -> (B, L, d_v) [, weights (B, L, L)]."""
+        """(B, L, d_in) or (L, d_in) -> (B, L, d_v) [, weights (B, L, L)]; ``key_mask`` (B, L)
+        bool, True = real token ((L,) for (L, d_in) inputs)."""
         refuse(f"{type(self).__name__}.forward", torch_names, FORWARD)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if key_mask is not None:
+        if key_mask is not None and x.dim() == 2:  # (L, d_in): one sequence, key_mask (L,)
+            if key_mask.dtype != torch.bool or key_mask.shape != x.shape[:1]:
+                raise ValueError(
+                    f"key_mask must be an (S,) = ({x.shape[0]},) bool tensor for one sequence "
+                    f"x (L, d_in) = {tuple(x.shape)}, True = real token; got "
+                    f"{tuple(key_mask.shape)} {key_mask.dtype}."
+                )
+            mask = _mask(mask, key_mask[None], 1, x.shape[0])  # (1, 1 | L, S)
+            mask = mask[0]  # -> (1 | L, S), as the (L, S) scores
+        elif key_mask is not None:
             mask = _mask(mask, key_mask, x.shape[0], x.shape[1])
         return AF.scaled_dot_product_attention(
             q, k, v, mask, is_causal=is_causal, return_weights=return_weights
