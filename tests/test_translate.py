@@ -6,6 +6,8 @@ distributed test are in test_translate_cli.py.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -404,3 +406,34 @@ def test_subword_attention_to_word_alignment():
     ref = {"s": Alignment(frozenset({(0, 0), (2, 1)}), frozenset({(0, 0), (2, 1)}))}
     assert alignment_scores({"s": {(0, 0), (2, 1)}}, ref) == {"aer": 0.0, "aer_referenced": 0.0}
     assert alignment_scores({"s": {(1, 0), (2, 1)}}, ref)["aer"] == 50.0
+
+
+def test_the_reported_best_head_is_chosen_on_validation_and_a_limit_is_said(tmp_path, capsys):
+    # before: the head with the lowest test AER was reported as the test figure (a best-of-N
+    # on test), and --eval-limit N printed "N pairs" as if that were the whole split
+    from attnlab import cli
+    from attnlab.translate import load_run
+    from attnlab.translate.evaluation import HEAD_SELECTION_PAIRS, alignment_error
+    from attnlab.translate.tasks import run_task
+
+    out = tmp_path / "run"
+    argv = ["train", "--task", "dates", "--tiny", "--model", "transformer", "--max-steps", "2",
+            "--train-size", "100", "--eval-limit", "7", "--no-progress",
+            "--out", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())["test"]
+    task = run_task(out, json.loads((out / "config.json").read_text())["task"])
+    assert results["sentences"] == 7 and results["of"] == len(task.test)
+    assert f"first 7 of {len(task.test):,} pairs" in printed
+    al = results["alignment"]
+    chosen = task.validation[:HEAD_SELECTION_PAIRS]
+    on_validation = alignment_error(
+        load_run(out), chosen, task.alignments["validation"], target_units="chars",
+        progress=False,
+    )["heads"]  # fmt: skip
+    best = min(on_validation, key=lambda k: on_validation[k]["aer_referenced"])
+    assert al["best_head"]["head"] == best
+    assert al["best_head"]["chosen_on"] == f"validation ({len(chosen):,} pairs)"
+    assert al["best_head"]["aer_referenced"] == al["heads"][best]["aer_referenced"]
+    assert f"best head {best} (chosen on validation" in printed

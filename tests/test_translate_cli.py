@@ -283,6 +283,7 @@ def test_compare_two_variants(tmp_path, capsys):
     )
     md = (out / "compare.md").read_text()
     assert "rnn-none" in md and "transformer-gqa" in md
+    assert "scored on the first 10 test pairs" in md  # (before: the title did not say)
     assert (out / "compare.csv").read_text().count("\n") == 3
     # each row carries its own variant's scores, as its run directory recorded them
     rows = json.loads((out / "compare.json").read_text())

@@ -434,6 +434,7 @@ def main(args: argparse.Namespace) -> int:
         budget_text = f"{minutes:g} min of training"
     title = (
         f"Attention variants on {task_name}: {budget_text} each, size {args.size}, seed {args.seed}"
+        + (f", scored on the first {args.eval_limit:,} test pairs" if args.eval_limit else "")
     )
     started_all = time.monotonic()
     for n, variant in enumerate(variants, 1):
