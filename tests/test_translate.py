@@ -69,6 +69,12 @@ def test_bible_task_splits_are_fixed_and_disjoint():
     ids = [{p.id for p in s} for s in (a.train, a.validation, a.test)]
     assert not (ids[0] & ids[1]) and not (ids[0] & ids[2]) and not (ids[1] & ids[2])
     assert set(a.alignments["test"]) == ids[2]
+    # the texts the Bible repeats across splits, as attnlab.data.bible's docstring counts them
+    seen = {p.source for p in a.train}
+    pairs = {(p.source, p.target) for p in a.train}
+    for split, sources, both in ((a.test, 13, 5), (a.validation, 14, 13)):
+        assert sum(p.source in seen for p in split) == sources
+        assert sum((p.source, p.target) in pairs for p in split) == both
 
 
 def test_dates_task_is_deterministic():

@@ -14,6 +14,12 @@ validation   1,000 the next 1,000 ids in that order
 train       28,890 the rest
 =========== ====== ===================================================================
 
+The splits are by verse, not by text: the Bible repeats itself ("And the LORD spake unto
+Moses, saying," 69 times in train; parallel passages such as 2 Kings 19 and Isaiah 37), so 13
+test verses have an English text that also stands in train (5 of them with the same Spanish
+too), and 14 validation verses (13). They are kept, as any verse-level split keeps them: 1.3%
+of the test set.
+
 Reference word alignments exist for test and validation. They come from the Strong's numbers
 both translations tag their words with: a link ``(i, j)`` joins English word ``i`` and Spanish
 word ``j`` (indices into :func:`attnlab.data.words` of ``Pair.source`` / ``Pair.target``).
