@@ -392,3 +392,30 @@ def test_compare_chart_rows_line_up_across_panels():
         assert np.isnan(widths[0])  # no bar where there is no attention
     finally:
         plt.close(fig)
+
+
+def test_a_translation_cut_at_the_length_limit_is_said(dates_run, capsys, monkeypatch):
+    # before: a translation stopped by the length limit looked like any other, in the API, the
+    # command's output and the evaluation's figures
+    import attnlab.translate.run as run_module
+    from attnlab.translate import load_run
+    from attnlab.translate.evaluation import evaluate
+    from attnlab.translate.tasks import load_task
+
+    monkeypatch.setattr(run_module, "length_limits", lambda lengths: lengths * 0 + 2)
+    translator = load_run(dates_run)
+    out = translator.translate(["1 mars 1999", "3 avril 2001"], beam_size=1)
+    for t in out:  # two tokens at most: cut unless the second one ended the sentence
+        assert t.complete == (t.target_tokens[-1] == "</s>")
+    assert not all(t.complete for t in out)
+    argv = [str(dates_run), "1 mars 1999", "--beam-size", "1", "--json", "--threads", "1"]
+    assert run(cmd_translate, argv) == 0
+    said = capsys.readouterr()
+    assert json.loads(said.out)["complete"] is out[0].complete
+    assert ("note: line 1's translation stopped at the length limit" in said.err) is (
+        not out[0].complete
+    )
+    config = json.loads((dates_run / "config.json").read_text())
+    res = evaluate(translator, load_task(config["task"]), limit=6, beam_size=1, progress=False)
+    cut = res["cut_at_length_limit"]
+    assert 0 < cut <= 6

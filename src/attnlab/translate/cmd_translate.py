@@ -145,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
         out = by_line.get(i)
         if out is None and args.json:  # keep line numbers aligned, one JSON object a line
             print(json.dumps({"source": "", "translation": "", "source_tokens": [],
-                              "target_tokens": [], "score": None}))  # fmt: skip
+                              "target_tokens": [], "score": None, "complete": None}))  # fmt: skip
             continue
         if out is None:  # keep line numbers aligned: an empty line stays empty
             print()
@@ -159,12 +159,20 @@ def main(args: argparse.Namespace) -> int:
                         "source_tokens": out.source_tokens,
                         "target_tokens": out.target_tokens,
                         "score": round(out.score, 4),
+                        "complete": out.complete,
                     },
                     ensure_ascii=False,
                 )
             )
         else:
             print(out.text)
+        if not out.complete:  # (the text is cut: said on stderr, the lines stay aligned)
+            n = len(out.target_tokens)
+            print(
+                f"note: line {i + 1}'s translation stopped at the length limit ({n} tokens) "
+                "before the model ended it",
+                file=sys.stderr,
+            )
         if args.show_attention and out.attention is not None:
             A = out.attention if out.attention.ndim == 2 else out.attention.mean(axis=(0, 1))
             pairs = [

@@ -22,12 +22,13 @@ from attnlab.translate.metrics import (
 
 
 def translate_split(translator, pairs, *, beam_size=None, progress=True):
-    """Translations of ``pairs``' sources (texts), and the seconds it took."""
+    """Translations of ``pairs``' sources (:class:`~attnlab.translate.run.Translation`), and
+    the seconds it took."""
     start = time.perf_counter()
     out = translator.translate(
         [p.source for p in pairs], beam_size=beam_size, return_attention=False, progress=progress
     )
-    return [t.text for t in out], time.perf_counter() - start
+    return out, time.perf_counter() - start
 
 
 HEAD_SELECTION_PAIRS = 200  # validation pairs on which the reported best head is chosen
@@ -121,12 +122,15 @@ def evaluate(
     its first that many pairs only (``"of"`` then says how many the split holds)."""
     whole = task.split(split)
     pairs = whole[:limit]
-    hyps, seconds = translate_split(translator, pairs, beam_size=beam_size, progress=progress)
-    refs = [p.target for p in pairs]
+    translations, seconds = translate_split(
+        translator, pairs, beam_size=beam_size, progress=progress
+    )
+    hyps, refs = [t.text for t in translations], [p.target for p in pairs]
     result = {
         "split": split,
         "sentences": len(pairs),
         "of": len(whole),
+        "cut_at_length_limit": sum(not t.complete for t in translations),
         "decode_seconds": round(seconds, 1),
         "beam_size": beam_size or translator.decode_options.get("beam_size", 4),
     }
@@ -160,6 +164,8 @@ def format_scores(res: dict, split: str, *, alignment_heading: str) -> list[str]
     timing = f", {res['decode_seconds']:.0f} s" if "decode_seconds" in res else ""
     n = res["sentences"]
     counted = f"first {n:,} of {res['of']:,}" if res.get("of", n) > n else f"{n:,}"
+    cut = res.get("cut_at_length_limit", 0)
+    counted += f", {cut:,} cut at the length limit" if cut else ""
     lines = [
         f"{split} split ({counted} pairs, beam {res['beam_size']}{timing}): "
         f"BLEU {res['bleu']:.2f}  chrF {res['chrf']:.2f}"

@@ -39,6 +39,8 @@ class Translation:
             Transformer, ``T = len(target_tokens)``, ``S = len(source_tokens)``; None when not
             requested, or for the attention-free RNN.
         score: the decoder's score (log-probability, length-normalised for beam search).
+        complete: whether the model ended the sentence; False when decoding stopped at the
+            length limit (1.5 x the source's tokens + 10, at most 512) and the text is cut.
     """
 
     source: str
@@ -47,6 +49,7 @@ class Translation:
     text: str
     attention: np.ndarray | None
     score: float
+    complete: bool = True
 
 
 def check_run_dir(run_dir: str | os.PathLike[str]) -> Path:
@@ -296,6 +299,7 @@ class Translator:
                     self.tokenizer.decode(hyp.tokens),
                     attention,
                     hyp.score,
+                    hyp.eos,
                 )
         return results  # type: ignore[return-value]
 
