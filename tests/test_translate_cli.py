@@ -88,7 +88,8 @@ def test_translate_command_and_load_run(dates_run, capsys, tmp_path):
     out = capsys.readouterr().out.split("\n")[:-1]
     assert len(out) == 3 and json.loads(out[0])["source"] == "1 February 2005"
     assert json.loads(out[1]) == {"source": "", "translation": "", "source_tokens": [],
-                                  "target_tokens": [], "score": None}  # fmt: skip
+                                  "target_tokens": [], "score": None,
+                                  "complete": None}  # fmt: skip
 
     from attnlab.translate import load_run
 
