@@ -90,6 +90,26 @@ def test_a_resume_from_a_damaged_checkpoint_leaves_the_run_as_it_was(run_copy, c
     assert json.loads((run_copy / ckpt.CONFIG).read_text())["train"]["max_steps"] == 3
 
 
+def test_an_optimizer_state_that_does_not_fit_leaves_the_run_as_it_was(
+    run_copy, capsys, monkeypatch
+):
+    """Before: the optimizer's parameter groups were checked only once training had begun, after
+    the final files were removed. (An optimizer of one group stands for one that does not fit.)"""
+    import torch
+
+    from attnlab.translate import pipeline
+
+    def one_group(model, opts):
+        return torch.optim.AdamW(model.parameters(), lr=opts.lr)
+
+    monkeypatch.setattr(pipeline, "make_optimizer", one_group)
+    before = snapshot(run_copy)
+    code, err = attnlab(capsys, "train", "--out", run_copy, "--resume", "--more-steps", "10")
+    assert code == 2
+    assert "parameter groups" in one_line_error(err)
+    assert snapshot(run_copy) == before
+
+
 def test_a_good_resume_writes_its_new_budget_and_new_final_files(run_copy, capsys):
     """(The order changed: config.json and the final files are rewritten after the check.)"""
     code, err = attnlab(capsys, "train", "--out", run_copy, "--resume", "--more-steps", "2")

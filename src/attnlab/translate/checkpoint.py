@@ -700,19 +700,26 @@ def _read_checkpoint(
     return state, weights, tensors
 
 
-def check_resumable(run_dir: str | os.PathLike[str], model: torch.nn.Module) -> Path | None:
-    """The checkpoint folder that :func:`resume_checkpoint` will load for ``model``, checked
-    without restoring anything; None when the run has no checkpoint.
+def check_resumable(
+    run_dir: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Path | None:
+    """The checkpoint folder that :func:`resume_checkpoint` will load for ``model`` (and
+    ``optimizer``: its parameter groups are checked too), checked without restoring anything;
+    None when the run has no checkpoint.
 
     Called before a resumed session changes the run folder (its config.json, its final files):
     when every checkpoint is damaged, the first one's :class:`RunFileError` is raised here and
-    the folder is left as it was. (Only the optimizer's parameter groups are left to
-    :func:`load_checkpoint`: they need the optimizer that training builds.)
+    the folder is left as it was.
     """
     errors: list[RunFileError] = []
     for folder in checkpoint_folders(run_dir):
         try:
-            _read_checkpoint(folder, model)
+            state, _, tensors = _read_checkpoint(folder, model)
+            if optimizer is not None:
+                opt_file, state_file = folder / OPTIMIZER, folder / STATE
+                _check_optimizer(optimizer, tensors, state["optimizer"], opt_file, state_file)
         except RunFileError as e:
             errors.append(e)
             continue

@@ -23,7 +23,13 @@ from attnlab.translate.models import build_model, count_parameters, model_config
 from attnlab.translate.settings import MODEL_DEFAULTS, PRESETS, TASK_DEFAULTS
 from attnlab.translate.tasks import DATA_FILE, run_task, task_spec
 from attnlab.translate.tokenizer import SPECIALS, Tokenizer
-from attnlab.translate.trainer import TrainOptions, fit, init_distributed, probe_step
+from attnlab.translate.trainer import (
+    TrainOptions,
+    fit,
+    init_distributed,
+    make_optimizer,
+    probe_step,
+)
 
 MODEL_OPTIONS = (
     "emb_dim",
@@ -555,10 +561,6 @@ def train_run(
         log(f"note: {dropped} training pair(s) longer than {early.max_len} tokens left out")
     torch.manual_seed(early.seed)
     model = build_model(config["model"], tokenizer.vocab_size).to(device)
-    if resume:
-        # Read and check the checkpoint before the run folder changes at all: a damaged one
-        # raises here, naming its file, and leaves config.json and the final files as they were.
-        ckpt.check_resumable(run_dir, model)
     precision = gpu.resolve_precision(train_cfg.get("precision"), device)
     auto = train_cfg.get("max_tokens") == "auto"
     if auto or train_cfg.get("precision") != precision:
@@ -573,6 +575,11 @@ def train_run(
         if dist.main:
             ckpt.atomic_write_json(run_dir / ckpt.CONFIG, config)
     opts = TrainOptions.from_dict(train_cfg)
+    if resume:
+        # Read and check the checkpoint (weights, optimizer state for the optimizer training
+        # builds) before the run folder changes: a damaged one raises here, naming its file,
+        # and leaves config.json and the final files as they were.
+        ckpt.check_resumable(run_dir, model, make_optimizer(model, opts))
     if dist.main:
         m = config["model"]
         log(

@@ -251,6 +251,22 @@ def validation_loss(model, data: Encoded, device, max_tokens: int = 8192) -> flo
     return total / max(1, count)
 
 
+def make_optimizer(model: torch.nn.Module, opts: TrainOptions) -> torch.optim.Optimizer:
+    """AdamW, weight decay on the matrices only (not on biases, norms, embeddings' 1-D)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.dim() < 2 or "norm" in name else decay).append(p)
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": opts.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=opts.lr,
+        betas=(0.9, 0.98),
+        eps=1e-9,
+    )
+
+
 def fit(
     model: torch.nn.Module,
     train_data: Encoded,
@@ -288,18 +304,7 @@ def fit(
 
         ids = [device.index] if device.type == "cuda" else None
         net = DistributedDataParallel(model, device_ids=ids)
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if p.dim() < 2 or "norm" in name else decay).append(p)
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": opts.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=opts.lr,
-        betas=(0.9, 0.98),
-        eps=1e-9,
-    )
+    optimizer = make_optimizer(model, opts)
     schedule = Schedule(opts.lr, opts.warmup, opts.min_lr_ratio)
     state = TrainState()
     if dist.main:
