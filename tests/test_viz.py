@@ -757,3 +757,14 @@ def test_the_explorer_takes_a_text_whose_every_key_is_stored_exactly(special):
     data = json.loads(re.search(r'application/json">(.*?)</script>', page, re.S).group(1))
     exact = np.frombuffer(base64.b64decode(data["layers"][0]["exact"]), "<f4")
     np.testing.assert_allclose(exact, A.ravel())
+
+
+def test_token_labels_show_invisible_characters_as_escapes():
+    # before: a generated token holding a control character was drawn as a missing-glyph box
+    # (matplotlib: "Glyph 11 missing from font")
+    from attnlab.viz import plot_attention
+
+    tokens = ["a\x0bb", "\u200bx", "tab\there", "été"]
+    fig = plot_attention(np.full((4, 4), 0.25), tokens)
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == ["a\\x0bb", "\\u200bx", "tab\\there", "été"]

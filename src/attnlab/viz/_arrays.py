@@ -79,7 +79,12 @@ def label_step(n: int, length_pt: float, font_pt: float) -> int:
 
 
 def short(token: str, width: int = 14) -> str:
-    """A token label cut to ``width`` characters (with an ellipsis)."""
+    """A token label cut to ``width`` characters (with an ellipsis); characters that print as
+    nothing or as a box (controls, zero-width spaces) are written as escapes (``\\x0b``)."""
+    if not token.isprintable():
+        token = "".join(
+            c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in token
+        )
     return token if len(token) <= width else token[: width - 1] + "…"
 
 
