@@ -133,3 +133,40 @@ def test_fused_path_compiles_without_graph_breaks():
         fullgraph=True,
     )
     torch.testing.assert_close(f(q, k, v), AF.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_explain_checks_casts_and_reasons_as_the_call(monkeypatch):
+    # before: explain decided on float32 inputs under autocast (the call casts them to bf16),
+    # named "eager" for H = 0 (nothing runs), answered inputs the call refuses, said
+    # "enable_gqa" where kv heads are repeated, a block of 4 heads where the call takes 3,
+    # and "is_causal" where a scale <= 0 makes it a bool mask
+    from attnlab.functional import additive as additive_module
+
+    q, k, v = (t.float().requires_grad_() for t in qkv(L=8, S=8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert AF.explain(q, k, v, return_weights=True).path == "eager"  # bf16 weights, grad
+    h0 = torch.randn(2, 0, 5, 8)
+    assert AF.explain(h0, h0, h0).path == "empty"
+    q0, k0, v0 = (t.detach() for t in (q, k, v))
+    for kwargs, error in (
+        ({"dropout_p": 1.0}, "dropout_p"),
+        ({"return_weights": "foo"}, "return_weights"),
+        ({"attn_mask": torch.ones(3, 8, dtype=torch.bool)}, "does not broadcast"),
+        ({"attn_mask": torch.full((8, 8), 1e39, dtype=F64)}, "outside torch.float32's range"),
+    ):
+        for call in (AF.explain, AF.scaled_dot_product_attention):
+            with pytest.raises(ValueError, match=error):
+                call(q0, k0, v0, **kwargs)
+    monkeypatch.setenv("ATTNLAB_CPU_TRAINING_KERNEL", "torch")
+    said = str(AF.explain(*(t.bfloat16() for t in (q, k, v))))
+    assert said.startswith("fused") and "kv heads repeated" in said and "enable_gqa)" not in said
+    big = torch.randn(1, 6, 512, 64), torch.randn(1, 2, 1024, 64)
+    assert "blocks of 3 head(s)" in str(AF.explain(big[0], big[1], big[1], return_weights=True))
+    said = str(AF.explain(q0, k0, v0, is_causal=True, scale=-1.0))
+    assert "passed as a bool mask" in said and "scale <= 0" in said
+    w = torch.randn(16, 8), torch.randn(16, 8), torch.randn(16)
+    qa, ka = torch.randn(2, 3, 8), torch.randn(2, 5, 8)
+    for value, kwargs in ((torch.randn(3, 5, 4), {}), (torch.randn(2, 5, 4), {"dropout_p": 1.5})):
+        for call in (additive_module.explain_additive, AF.additive_attention):
+            with pytest.raises(ValueError):
+                call(qa, ka, value, *w, **kwargs)

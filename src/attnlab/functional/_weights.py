@@ -39,13 +39,17 @@ BACKWARD_BLOCK_BYTES = 2 * 2**20  # the backward runs several passes per block: 
 inf = float("inf")
 
 
-def block_shape(H: int, L: int, S: int, itemsize: int, nbytes: int | None = None):
-    """(heads, rows) of a block of scores of at most ``nbytes`` (``WEIGHTS_BLOCK_BYTES``)."""
+def block_shape(
+    H: int, L: int, S: int, itemsize: int, nbytes: int | None = None, G: int = 1
+) -> tuple[int, int]:
+    """(heads, rows) of a block of scores of at most ``nbytes`` (``WEIGHTS_BLOCK_BYTES``); a
+    block of at least ``G`` heads (query heads per kv head) holds whole kv groups."""
     nbytes = WEIGHTS_BLOCK_BYTES if nbytes is None else nbytes
     per_head = L * S * itemsize
-    if per_head <= nbytes:
-        return max(1, min(H, nbytes // per_head)), L
-    return 1, max(1, nbytes // (S * itemsize))
+    if per_head > nbytes:
+        return 1, max(1, nbytes // (S * itemsize))
+    heads = max(1, min(H, nbytes // per_head))
+    return (heads - heads % G if heads >= G else heads), L
 
 
 class _Blocks:
@@ -55,10 +59,8 @@ class _Blocks:
         B, H, L, _ = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         self.shape = (B, H, L, S)
-        self.heads, self.rows = block_shape(H, L, S, q.element_size(), nbytes)
-        self.G = G = H // Hkv
-        if self.heads >= G:  # whole kv groups per block (see fold)
-            self.heads -= self.heads % G
+        self.G = G = H // Hkv  # (a block of >= G heads holds whole kv groups: see fold)
+        self.heads, self.rows = block_shape(H, L, S, q.element_size(), nbytes, G)
         self.kv_head = torch.arange(H, device=q.device) // (H // Hkv)  # head h reads h // G
         self.mask = None if mask is None else mask.expand(B, H, L, S)  # a view, not a copy
         self.causal = None if alignment is None else causal_keep(L, S, alignment, q.device)

@@ -35,6 +35,7 @@ from attnlab._checks import (
     broadcast_shapes,
     causal_alignment,
     check_bias_range,
+    check_dropout,
     check_floating,
     check_mask,
 )
@@ -262,6 +263,7 @@ def additive_attention(
         torch.Size([2, 3, 6])
     """
     _check_value(key, value)
+    check_dropout(dropout_p)  # (also where the fused kernel serves: it takes no dropout)
     _check_devices(query, key=key, value=value, w_query=w_query, w_key=w_key, w_score=w_score,
                    bias=bias)  # fmt: skip
     # (is_cuda first: the CPU path pays ~0.1 us for the question, not unfit()'s ~5)
@@ -312,9 +314,11 @@ def explain_additive(
         'chunked'
     """
     _check_value(key, value)
+    check_dropout(dropout_p)
     _check_devices(query, key=key, value=value, w_query=w_query, w_key=w_key, w_score=w_score,
                    bias=bias)  # fmt: skip
     lead, alignment = _checked(query, key, w_query, w_key, w_score, bias, attn_mask, is_causal)
+    _broadcast(lead, query, key, value)  # (refuses a value of other leading dims, as the call)
     why = _triton.unfit(query, key, value, attn_mask) or _kernel_unfit(
         query, key, value, w_score, attn_mask, dropout_p, return_weights
     )

@@ -75,8 +75,8 @@ GRAD_WEIGHTS_DTYPES = (torch.float32, torch.float64)
 
 @dataclass(frozen=True)
 class Dispatch:
-    """A call's path (``"fused"``, ``"triton"``, ``"cpu_flash"``, ``"weights"`` or ``"eager"``)
-    and why."""
+    """A call's path (``"fused"``, ``"triton"``, ``"cpu_flash"``, ``"weights"`` or ``"eager"``;
+    ``"empty"`` for no heads) and why."""
 
     path: str
     reasons: tuple[str, ...]
@@ -134,6 +134,7 @@ def _choose(
     *,
     why: bool = True,
     triton: bool = True,
+    scale: float | None = None,
 ) -> Dispatch:
     """The path of a call; ``why=False`` skips writing the fused path's reasons (hot path)."""
     if not query.numel() or not key.numel():  # (an empty B, H, L or E empties the query)
@@ -180,12 +181,21 @@ def _choose(
             )
         if why:  # say why attnlab's own kernels do not serve this call
             chosen = _choose(
-                query, key, attn_mask, alignment, dropout_p, return_weights, value, triton=False
+                query,
+                key,
+                attn_mask,
+                alignment,
+                dropout_p,
+                return_weights,
+                value,
+                triton=False,
+                scale=scale,
             )
             return Dispatch(chosen.path, (*chosen.reasons, f"not the Triton kernels: {unfit}"))
     if return_weights:
+        H, Hkv = query.shape[1], key.shape[1]
         heads, rows = block_shape(
-            query.shape[1], query.shape[2], key.shape[2], query.element_size()
+            H, query.shape[2], key.shape[2], query.element_size(), G=H // Hkv if Hkv else 1
         )
         what = "averaged over heads" if return_weights == "average" else "per head"
         backward = ""
@@ -247,10 +257,21 @@ def _choose(
     reasons = ["torch F.scaled_dot_product_attention"]
     if measured:
         reasons.append(measured)
-    if key.shape[1] != query.shape[1]:
-        reasons.append(f"grouped-query heads H={query.shape[1]}, Hkv={key.shape[1]} (enable_gqa)")
+    H, Hkv = query.shape[1], key.shape[1]
+    if Hkv != H and query.is_cpu and _trains_16bit(query, key, value):
+        reasons.append(
+            f"grouped-query heads H={H}, Hkv={Hkv}: kv heads repeated (torch's CPU backward with "
+            "enable_gqa sums a group's dK, dV in 16 bits)"
+        )
+    elif Hkv != H:
+        reasons.append(f"grouped-query heads H={H}, Hkv={Hkv} (enable_gqa)")
     L, S = query.shape[-2], key.shape[-2]
-    if alignment is not None and L == S and attn_mask is None:
+    if alignment is not None and attn_mask is None and scale is not None and scale <= 0:
+        reasons.append(
+            f"{alignment} causal passed as a bool mask (torch's is_causal gives NaN for a "
+            f"scale <= 0, here {scale:g})"
+        )
+    elif alignment is not None and L == S and attn_mask is None:
         reasons.append("is_causal (L == S: top-left and bottom-right coincide)")
     elif alignment == "top_left" and attn_mask is None:
         reasons.append("is_causal (top-left)")
@@ -270,18 +291,49 @@ def explain(
     attn_mask: torch.Tensor | None = None,
     *,
     is_causal: bool | str = False,
+    scale: float | None = None,
     dropout_p: float = 0.0,
     return_weights: bool | str = False,
 ) -> Dispatch:
-    """Which path :func:`scaled_dot_product_attention` takes for these inputs, and why."""
-    check_qkv(query, key, value)
-    alignment = causal_alignment(is_causal, query.shape[-2], key.shape[-2])
-    structure = _triton.structure_of(attn_mask, query, key)
-    attn_mask = plain(attn_mask)
-    q, k, v, mask, _ = as_4d(query, key, value, attn_mask)
+    """Which path :func:`scaled_dot_product_attention` takes for these inputs, and why (its
+    checks, and its casts under ``torch.autocast``, included: bad inputs raise as the call)."""
+    _, q, k, v, mask, _, alignment, structure = _prepared(
+        query, key, value, attn_mask, is_causal, scale, dropout_p, return_weights
+    )
+    if q.shape[1] == 0:
+        return Dispatch(
+            "empty", ("H = 0 heads: the empty output (and weights) are made directly",)
+        ).noting_assumption()
     return _choose(
-        q, k, mask, alignment, dropout_p, return_weights, v, structure
+        q, k, mask, alignment, dropout_p, return_weights, v, structure, scale=scale
     ).noting_assumption()
+
+
+def _prepared(query, key, value, attn_mask, is_causal, scale, dropout_p, return_weights):
+    """What :func:`attention_with` and :func:`explain` both do before choosing a path: the
+    inputs checked and cast (autocast) -> ``(query, q, k, v, mask, restore, alignment,
+    structure)``, q, k, v and mask as (B, H, L, E)-layout views, ``restore`` giving an output
+    the user's layout back. (A plain tuple: this runs at every call.)"""
+    query, key, value = autocast_inputs(query, key, value)
+    check_qkv(query, key, value)
+    check_dropout(dropout_p)
+    check_scale(scale)
+    if return_weights not in (False, True, "average"):
+        raise ValueError(
+            f"return_weights must be False, True (per head) or 'average' (mean over heads); "
+            f"got {return_weights!r}."
+        )
+    L, S = query.shape[-2], key.shape[-2]
+    alignment = causal_alignment(is_causal, L, S)
+    if attn_mask is not None:
+        scores_shape = (*query.shape[:-2], L, S)
+        check_mask(attn_mask, scores_shape, device=query.device)
+        check_bias_range(attn_mask, query.dtype)
+    structure = _triton.structure_of(attn_mask, query, key)  # padding as lengths, windows
+    if attn_mask is not None:
+        attn_mask = plain(attn_mask)  # a masks.Mask is a bool tensor that prints as a picture
+    q, k, v, mask, restore = as_4d(query, key, value, attn_mask)
+    return query, q, k, v, mask, restore, alignment, structure
 
 
 def scaled_dot_product_attention(
@@ -380,25 +432,10 @@ def attention_with(
     ``kv_finite`` (B, Hkv) bool, whether each head's keys and values are free of NaN and inf
     (a KV cache's :meth:`~attnlab.cache.Cache.kv_finite`), so that the NaN policy screens only
     the query instead of reading the whole cache again at every decode step."""
-    query, key, value = autocast_inputs(query, key, value)
-    check_qkv(query, key, value)
-    check_dropout(dropout_p)
-    check_scale(scale)
-    if return_weights not in (False, True, "average"):
-        raise ValueError(
-            f"return_weights must be False, True (per head) or 'average' (mean over heads); "
-            f"got {return_weights!r}."
-        )
-    L, S = query.shape[-2], key.shape[-2]
-    alignment = causal_alignment(is_causal, L, S)
-    if attn_mask is not None:
-        scores_shape = (*query.shape[:-2], L, S)
-        check_mask(attn_mask, scores_shape, device=query.device)
-        check_bias_range(attn_mask, query.dtype)
-    structure = _triton.structure_of(attn_mask, query, key)  # padding as lengths, windows
-    if attn_mask is not None:
-        attn_mask = plain(attn_mask)  # a masks.Mask is a bool tensor that prints as a picture
-    q, k, v, mask, restore = as_4d(query, key, value, attn_mask)
+    query, q, k, v, mask, restore, alignment, structure = _prepared(
+        query, key, value, attn_mask, is_causal, scale, dropout_p, return_weights
+    )
+    L, S = query.shape[-2], k.shape[-2]
     if kv_finite is not None and (key.dim() != 4 or kv_finite.shape != k.shape[:2]):
         raise ValueError(
             f"kv_finite must be (B, Hkv) = {tuple(k.shape[:2])} bool for 4-D key/value; got "
@@ -413,7 +450,9 @@ def attention_with(
         return _finish(out, weights, return_weights, restore, query.dim())
 
     log = not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG)
-    decision = _choose(q, k, mask, alignment, dropout_p, return_weights, v, structure, why=log)
+    decision = _choose(
+        q, k, mask, alignment, dropout_p, return_weights, v, structure, why=log, scale=scale
+    )
     if log:
         logger.debug("scaled_dot_product_attention %s", decision)  # (dynamo cannot trace logging)
 
