@@ -398,7 +398,11 @@ def test_every_supported_architecture_runs_on_attnlab_with_eager_weights(kind, t
     ours.set_attn_implementation("eager")
     reference = trace_model(ours, tok, TEXT)
     np.testing.assert_allclose(trace.attentions, reference.attentions, atol=1e-5)
-    assert trace.attentions.shape == (2, 4, 9, 9) and trace.has_head_writes
+    assert trace.attentions.shape == (2, 4, 9, 9)
+    # a norm on the attention output (Gemma 2) leaves no additive head writes: the vectors
+    # after attention are recorded instead
+    sandwich = kind == "gemma2"
+    assert trace.has_head_writes is not sandwich and (trace.attended is not None) is sandwich
     np.testing.assert_allclose(trace.attentions.sum(-1), 1.0, atol=1e-5)
 
 

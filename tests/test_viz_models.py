@@ -382,3 +382,46 @@ def test_explain_a_translation_run(tiny_run, tmp_path, capsys):
     assert {p.name for p in out.iterdir()} == {"alignment.png", "grid.png", "summary.json",
                                                "notes.txt"}  # fmt: skip
     assert json.loads((out / "summary.json").read_text())["files"] == ["alignment.png", "grid.png"]
+
+
+def test_after_attention_is_the_residual_a_sandwich_norm_model_carries():
+    # before: for Gemma 2 (a norm on the attention output before the residual sum) the trace
+    # drew x + o_proj(ctx), a vector the model never holds (off by ~2x its size), and split it
+    # into head writes that do not add up through the norm
+    from attnlab.viz.trace import trace_model
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+        attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.4)
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    words = Tokenizer(models.WordLevel(unk_token="<unk>"))  # the few words of the text below
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    text = "a man fishing on a river bank"
+    words.train_from_iterator([text], trainers.WordLevelTrainer(special_tokens=["<unk>"]))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>")
+
+    real = []
+    hooks = [
+        layer.pre_feedforward_layernorm.register_forward_pre_hook(
+            lambda _m, a: real.append(a[0][0].detach().float().numpy())
+        )
+        for layer in model.model.layers
+    ]
+    try:
+        trace = trace_model(model, tokenizer, text, name="gemma2")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert not trace.has_head_writes
+    for layer in range(2):
+        np.testing.assert_allclose(trace.after_attention(layer), real[layer], atol=1e-6)

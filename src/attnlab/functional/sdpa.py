@@ -435,7 +435,6 @@ def attention_with(
     query, q, k, v, mask, restore, alignment, structure = _prepared(
         query, key, value, attn_mask, is_causal, scale, dropout_p, return_weights
     )
-    L, S = query.shape[-2], k.shape[-2]
     if kv_finite is not None and (key.dim() != 4 or kv_finite.shape != k.shape[:2]):
         raise ValueError(
             f"kv_finite must be (B, Hkv) = {tuple(k.shape[:2])} bool for 4-D key/value; got "
@@ -443,10 +442,13 @@ def attention_with(
         )
     buffer = None  # the caller's weights_out, as a (B, H or 1, L, S) view
     if weights_out is not None:
-        buffer = _check_weights_out(weights_out, query, q, S, return_weights, dropout_p, k, v)
+        buffer = _check_weights_out(
+            weights_out, query, q, k.shape[-2], return_weights, dropout_p, k, v
+        )
     if q.shape[1] == 0:  # H = 0 (and Hkv = 0): no heads, nothing to compute
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
-        weights = q.new_zeros(q.shape[0], 1 if return_weights == "average" else 0, L, S)
+        heads = 1 if return_weights == "average" else 0
+        weights = q.new_zeros(q.shape[0], heads, q.shape[-2], k.shape[-2])
         return _finish(out, weights, return_weights, restore, query.dim())
 
     log = not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG)

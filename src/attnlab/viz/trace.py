@@ -23,7 +23,10 @@ What "before" and "after" attention mean in a transformer layer ``l`` with a res
 sublayer; ``after_head(l, h) = x_l + write_h`` is where head ``h`` alone would move them. The
 writes are recorded with a hook on the input of each layer's output projection (``o_proj`` in
 Llama, ``attention.output.dense`` in BERT, ``o_proj`` in attnlab's MultiHeadAttention); for other
-architectures only the hidden states are used.
+architectures only the hidden states are used. Where a norm stands between the attention output
+and the residual sum (Gemma 2 and 3's ``post_attention_layernorm``, followed by a
+``pre_feedforward_layernorm``), the heads' writes do not add up: the vectors after attention are
+then recorded as the model carries them (``attended``), and no head writes are kept.
 
 Legend: ``L`` query tokens, ``S`` key tokens, ``H`` query heads, ``D`` model width, ``Ev``
 value head width.
@@ -82,6 +85,9 @@ class Trace:
             tokens), or ``None``.
         layer_names: one label per layer.
         kind: ``"self"`` for self-attention, ``"cross"`` for a decoder's cross-attention.
+        attended: ``[layers, L, D]`` the token vectors right after each attention sublayer, as
+            recorded from the model, where they are not ``x_l`` plus the heads' writes (a norm
+            on the attention output); else ``None``.
     """
 
     tokens: list[str]
@@ -97,6 +103,7 @@ class Trace:
     offsets: list[tuple[int, int]] | None = None
     layer_names: list[str] = field(default_factory=list)
     kind: str = "self"
+    attended: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         A = to_numpy(self.attentions, "attentions", np.float32)
@@ -123,6 +130,13 @@ class Trace:
                     f"got {Hs.shape}"
                 )
             self.hidden_states = Hs
+        if self.attended is not None:
+            self.attended = to_numpy(self.attended, "attended", np.float32)
+            if self.attended.shape[:2] != (n_layers, L) or self.attended.ndim != 3:
+                raise ValueError(
+                    f"attended must be [layers, L, D] = [{n_layers}, {L}, D]; got "
+                    f"{self.attended.shape}"
+                )
         if self.context is not None:
             self.context = to_numpy(self.context, "context", np.float32)
             self.out_weight = to_numpy(self.out_weight, "out_weight", np.float32)
@@ -211,9 +225,12 @@ class Trace:
 
     def after_attention(self, layer: int) -> np.ndarray:
         """``[L, D]``: the token vectors right after layer ``layer``'s attention sublayer
-        (the next layer's input when no head outputs were recorded)."""
+        (``attended`` when recorded; the next layer's input when neither it nor the head
+        outputs were recorded)."""
         layer = self.check_layer(layer)
         states = self._require_movement()
+        if self.attended is not None:  # (recorded: a norm stands before the residual sum)
+            return self.attended[layer]
         if not self.has_head_writes:
             return states[min(layer + 1, states.shape[0] - 1)]
         assert self.context is not None and self.out_weight is not None
@@ -356,6 +373,17 @@ def _out_projections(model: Any) -> list[Any]:
     return found
 
 
+def _pre_feedforward_norms(model: Any) -> list[Any]:
+    """The ``pre_feedforward_layernorm`` modules of layers that also norm their attention
+    output (Gemma 2, 3): the input of each is the residual stream right after attention."""
+    both = ("pre_feedforward_layernorm", "post_attention_layernorm")
+    return [
+        module.pre_feedforward_layernorm
+        for _, module in model.named_modules()
+        if all(hasattr(module, name) for name in both)
+    ]
+
+
 def trace_model(
     model: Any,
     tokenizer: Any,
@@ -448,11 +476,17 @@ def trace_model(
 
     projections = _out_projections(model)
     captured: list[Any] = []
+    sandwiched = _pre_feedforward_norms(model)  # a norm on the attention output: see module doc
+    residuals: list[Any] = []
 
     def keep_input(_module: Any, args: tuple[Any, ...]) -> None:
         captured.append(args[0].detach()[0].float().cpu())  # (B=1, L, H * Ev) -> (L, H * Ev)
 
+    def keep_residual(_module: Any, args: tuple[Any, ...]) -> None:
+        residuals.append(args[0].detach()[0].float().cpu())  # (B=1, L, D) -> (L, D)
+
     hooks = [p.register_forward_pre_hook(keep_input) for p in projections]
+    hooks += [n.register_forward_pre_hook(keep_residual) for n in sandwiched]
     try:
         with torch.no_grad():
             out = model(**enc, output_attentions=True, output_hidden_states=True, return_dict=True)
@@ -472,10 +506,15 @@ def trace_model(
     states = getattr(out, "hidden_states", None)
     hidden = torch.stack([h[0].float() for h in states]).cpu().numpy() if states else None
 
-    context = out_weight = out_bias = None
+    context = out_weight = out_bias = attended = None
     n_layers, H = A.shape[:2]
+    if sandwiched and len(residuals) == n_layers:
+        attended = torch.stack(residuals).numpy()  # x_l + norm(attention output)
+    elif sandwiched:  # (not one per layer: neither the writes nor x_l + writes are right)
+        projections = []
     if (
-        len(projections) == n_layers
+        not sandwiched
+        and len(projections) == n_layers
         and len(captured) == n_layers
         and all(p.in_features % H == 0 for p in projections)
     ):
@@ -491,6 +530,7 @@ def trace_model(
         context=context,
         out_weight=out_weight,
         out_bias=out_bias,
+        attended=attended,
         model=name,
         text=text,
         special=[bool(s) for s in special_mask],
