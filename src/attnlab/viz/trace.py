@@ -23,10 +23,12 @@ What "before" and "after" attention mean in a transformer layer ``l`` with a res
 sublayer; ``after_head(l, h) = x_l + write_h`` is where head ``h`` alone would move them. The
 writes are recorded with a hook on the input of each layer's output projection (``o_proj`` in
 Llama, ``attention.output.dense`` in BERT, ``o_proj`` in attnlab's MultiHeadAttention); for other
-architectures only the hidden states are used. Where a norm stands between the attention output
-and the residual sum (Gemma 2 and 3's ``post_attention_layernorm``, followed by a
-``pre_feedforward_layernorm``), the heads' writes do not add up: the vectors after attention are
-then recorded as the model carries them (``attended``), and no head writes are kept.
+architectures only the hidden states are used. In post-norm encoders (BERT and its kin) the
+model norms ``x_l + attention output`` before its MLP: the point drawn is that sum, before the
+LayerNorm, which rescales it. Where a norm stands between the attention output and the residual
+sum (Gemma 2 and 3's ``post_attention_layernorm``, followed by a ``pre_feedforward_layernorm``),
+the heads' writes do not add up: the vectors after attention are then recorded as the model
+carries them (``attended``), and no head writes are kept.
 
 Legend: ``L`` query tokens, ``S`` key tokens, ``H`` query heads, ``D`` model width, ``Ev``
 value head width.
