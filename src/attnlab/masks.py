@@ -124,8 +124,6 @@ class Mask(torch.Tensor):
             )
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
         if in_place and isinstance(args[0], Mask):  # (m &= keep, m[...] = False)
-            # every holder of this tensor (a copy of the mask, its plain tensor) sees the change
-            torch.autograd.graph.increment_version(args[0]._data)
             return args[0]  # the mask itself
         return out
 
@@ -149,11 +147,11 @@ class Mask(torch.Tensor):
     def tolist(self):
         return self._data.tolist()
 
-    def __deepcopy__(self, memo):
+    def __copy__(self):  # (its own tensor and version counters: a copy keeps no structure)
         return Mask._wrap(self._data.clone())
 
-    def __copy__(self):  # (a copy with its own version counter: it keeps no structure)
-        return Mask._wrap(self._data.clone())
+    def __deepcopy__(self, memo):
+        return self.__copy__()
 
     @property
     def data(self) -> torch.Tensor:
