@@ -8,6 +8,7 @@ makes atomic. Whenever the process dies, a reader sees the old file or the new o
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -102,3 +103,12 @@ def _read_umask() -> int:
 
 
 _UMASK = _read_umask()
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 of a file's bytes (hex), read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from attnlab._files import fsync_path
+from attnlab._files import file_sha256, fsync_path
 
 try:  # POSIX file locks; without them (Windows) concurrent builds still cannot corrupt the cache.
     import fcntl
@@ -572,7 +572,7 @@ def _write_copy(
         fsync_path(dest / rel)
     manifest = {
         "source": source,
-        "gguf_sha256": _sha256(gguf),
+        "gguf_sha256": file_sha256(gguf),
         "model": spec.title,
         "torch": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -628,14 +628,6 @@ def _lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------

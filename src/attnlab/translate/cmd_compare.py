@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
 import io
 import json
 import shutil
 import time
 from pathlib import Path
 
-from attnlab._files import atomic_write_json, atomic_write_text
+from attnlab._files import atomic_write_json, atomic_write_text, file_sha256
 
 VARIANTS = (
     "rnn-none",
@@ -223,8 +222,7 @@ def write_table(out: Path, rows: list[dict], title: str) -> None:
 
 def _sha256(path: str) -> str | None:
     try:
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
+        return file_sha256(path)
     except OSError:
         return None  # a missing file fails later, with the task's own message
 
