@@ -355,18 +355,24 @@ def check_run_dir_free(run_dir: Path, *, force: bool, config: dict | None = None
         )
 
 
-def _foreign_config(file: Path) -> str | None:
-    """What ``file`` (a folder's config.json) is when it is not an attnlab run's; None if it is."""
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return f"a folder whose {ckpt.CONFIG} is not readable JSON"
+def _not_a_run(config: object) -> str | None:
+    """What a folder whose config.json holds ``config`` is, when not an attnlab run; None if
+    it is one."""
     if isinstance(config, dict) and "attnlab_run" in config:
         return None
     if isinstance(config, dict) and ("architectures" in config or "model_type" in config):
         kind = config.get("model_type")
         return "a Hugging Face model folder" + (f" ({kind})" if isinstance(kind, str) else "")
     return f"a folder whose {ckpt.CONFIG} has no 'attnlab_run'"
+
+
+def _foreign_config(file: Path) -> str | None:
+    """What ``file`` (a folder's config.json) is when it is not an attnlab run's; None if it is."""
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return f"a folder whose {ckpt.CONFIG} is not readable JSON"
+    return _not_a_run(config)
 
 
 def data_in_run_dir(config: dict, run_dir: Path) -> bool:
@@ -418,15 +424,9 @@ def read_run_config(run_dir: str | os.PathLike[str]) -> dict:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{file} is not valid JSON ({e}); {hint}") from None
-    if not isinstance(config, dict) or "attnlab_run" not in config:
-        what = (
-            "a Hugging Face model folder"
-            if isinstance(config, dict) and ("architectures" in config or "model_type" in config)
-            else "not a folder written by attnlab train"
-        )
-        raise ValueError(
-            f"{str(path)!r} is {what} (its {ckpt.CONFIG} has no 'attnlab_run'); {hint}"
-        )
+    what = _not_a_run(config)
+    if what is not None:
+        raise ValueError(f"{str(path)!r} is {what}, not a run directory; {hint}")
     from attnlab.translate.run import read_config  # its every section, checked, in one place
 
     return read_config(path)
