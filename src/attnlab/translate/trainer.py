@@ -429,8 +429,10 @@ def fit(
                 # --- agree on stopping: budget, interruption (all processes, same step)
                 state.elapsed = base_elapsed + time.monotonic() - session_start  # wall clock
                 state.cpu_seconds = base_cpu + time.process_time() - cpu_start
-                flags = torch.tensor(
-                    [float(stop.requested), state.elapsed, state.cpu_seconds], dtype=torch.float64
+                flags = torch.tensor(  # (on the device: NCCL reduces CUDA tensors only)
+                    [float(stop.requested), state.elapsed, state.cpu_seconds],
+                    dtype=torch.float64,
+                    device=device if dist.active else "cpu",
                 )
                 if dist.active:
                     import torch.distributed as tdist
@@ -472,7 +474,7 @@ def fit(
                 if dist.active:  # (every process stops at the same step)
                     import torch.distributed as tdist
 
-                    flag = torch.tensor(float(bad))
+                    flag = torch.tensor(float(bad), device=device)
                     tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
                     bad = bool(flag > 0)
                 if bad:  # (its weights, stepped on a NaN, are not saved: see save)
