@@ -476,9 +476,9 @@ def trace_model(
     ):
         del enc["token_type_ids"]  # decoders take no segment ids
 
-    projections = _out_projections(model)
-    captured: list[Any] = []
     sandwiched = _pre_feedforward_norms(model)  # a norm on the attention output: see module doc
+    projections = [] if sandwiched else _out_projections(model)  # (writes: none add up there)
+    captured: list[Any] = []
     residuals: list[Any] = []
 
     def keep_input(_module: Any, args: tuple[Any, ...]) -> None:
@@ -512,11 +512,8 @@ def trace_model(
     n_layers, H = A.shape[:2]
     if sandwiched and len(residuals) == n_layers:
         attended = torch.stack(residuals).numpy()  # x_l + norm(attention output)
-    elif sandwiched:  # (not one per layer: neither the writes nor x_l + writes are right)
-        projections = []
     if (
-        not sandwiched
-        and len(projections) == n_layers
+        len(projections) == n_layers
         and len(captured) == n_layers
         and all(p.in_features % H == 0 for p in projections)
     ):
