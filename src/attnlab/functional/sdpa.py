@@ -442,9 +442,7 @@ def attention_with(
         )
     buffer = None  # the caller's weights_out, as a (B, H or 1, L, S) view
     if weights_out is not None:
-        buffer = _check_weights_out(
-            weights_out, query, q, k.shape[-2], return_weights, dropout_p, k, v
-        )
+        buffer = _check_weights_out(weights_out, query, q, k, v, return_weights, dropout_p)
     if q.shape[1] == 0:  # H = 0 (and Hkv = 0): no heads, nothing to compute
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         heads = 1 if return_weights == "average" else 0
@@ -512,9 +510,10 @@ def _eager(q, k, v, mask, alignment, scale, dropout_p):
     return grouped_weighted_sum(weights, v), weights  # (B, H, L, Ev), (B, H, L, S)
 
 
-def _check_weights_out(buffer, query, q, S, return_weights, dropout_p, k, v) -> torch.Tensor:
+def _check_weights_out(buffer, query, q, k, v, return_weights, dropout_p) -> torch.Tensor:
     """Validate a caller's weights buffer; return it as a (B, H or 1, L, S) view."""
     B, H, L, _ = q.shape
+    S = k.shape[-2]
     heads = 1 if return_weights == "average" else H
     average = return_weights == "average" and query.dim() >= 4  # (B, L, S): no heads dim
     shape = (*query.shape[:-3], L, S) if average else (*query.shape[:-1], S)
