@@ -14,3 +14,28 @@ def test_interpreter_is_on_and_serves_cpu_tensors():
 
 def test_mixed_devices_are_refused_with_a_reason():
     assert "meta" in _triton.unfit(torch.zeros(1), torch.zeros(1, device="meta"))
+
+
+def test_key_padding_alone_goes_to_sdpa_where_it_was_measured_faster(monkeypatch):
+    """On CUDA, key padding alone (no weights, no window) takes torch's SDPA with the dense
+    mask (measured faster on an H200); weights and windows keep the kernels. The rule is keyed
+    by device type, so CPU tensors under the interpreter stand in for CUDA ones here."""
+    import attnlab
+    from attnlab import masks
+    from attnlab.functional import _triton as dispatch
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 16, generator=g) for _ in range(3))
+    pad = masks.padding_mask([9, 4])
+    window = masks.sliding_window_mask(9, 9, window=3)
+    expected = attnlab.scaled_dot_product_attention(q, k, v, pad)  # the kernels (interpreter)
+    assert attnlab.explain(q, k, v, pad).path == "triton"
+
+    monkeypatch.setattr(dispatch, "SDPA_SERVES_PADDING_ON", ("cpu", "cuda"))
+    said = attnlab.explain(q, k, v, pad)
+    assert said.path == "fused" and any("key padding alone" in r for r in said.reasons)
+    got = attnlab.scaled_dot_product_attention(q, k, v, pad)
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
+    assert attnlab.explain(q, k, v, pad, return_weights=True).path == "triton"
+    assert attnlab.explain(q, k, v, window).path == "triton"
+    assert attnlab.explain(q, k, v, masks.document_mask([5, 4])).path == "triton"

@@ -48,6 +48,33 @@ def structure_of(mask, query: torch.Tensor, key: torch.Tensor):
     return key_range, band
 
 
+# Devices on which torch's SDPA, given the dense (B, 1, 1, S) mask, serves key padding alone
+# (no window, no documents, no weights) rather than the Triton kernels. Measured on an H200
+# (benchmarks/results/h200-2026-11-26, bf16, lengths uniform in [L/2, L], forward and
+# forward+backward, causal and not, at (8,16,1024,64), (4,32,4096,128) and (32,16,128,64)):
+# SDPA took 0.25-1.06x the kernels' time. Skipping a quarter of the key blocks does not make
+# up for torch's faster kernel; windows and packed documents, which skip most blocks, keep the
+# kernels. (Not the interpreter's CPU tensors: the tests exercise the kernels there.)
+SDPA_SERVES_PADDING_ON = ("cuda",)
+
+
+def sdpa_serves(q, structure, return_weights) -> str | None:
+    """Why torch's SDPA with the materialised mask serves a structured mask here, or None."""
+    key_range, band = structure
+    if (
+        return_weights
+        or band is not None
+        or key_range is None
+        or key_range[0].dim() != 1  # (packed documents: a range per query row)
+        or q.device.type not in SDPA_SERVES_PADDING_ON
+    ):
+        return None
+    return (
+        "key padding alone: torch's SDPA with the (B, 1, 1, S) mask ran 0.25-1.06x the time of "
+        "attnlab's kernels on an H200, forward and backward (benchmarks/results/)"
+    )
+
+
 def unfit(q, k, v, mask, dropout_p, grad, return_weights=False) -> str | None:
     """None when a Triton kernel may run this call, else why not."""
     why = _triton.unfit(q, k, v, mask)
