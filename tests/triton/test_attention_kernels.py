@@ -219,9 +219,14 @@ def test_nan_inputs_still_propagate_through_the_kernels():
 
 @pytest.mark.parametrize("where", ["query", "key", "value"])
 @pytest.mark.parametrize("average", [False, True])
-def test_nan_rows_come_from_the_weights_kernel_as_the_oracle_says(where, average, monkeypatch):
+@pytest.mark.parametrize("structure", [False, True], ids=["dense mask", "ranges+causal"])
+def test_nan_rows_come_from_the_weights_kernel_as_the_oracle_says(
+    where, average, structure, monkeypatch
+):
     """The two-pass weights path makes the NaN rule's rows NaN through the log-sum-exp (the
-    kernel writes them), not by a second pass over the weights: same rows as the oracle."""
+    kernel writes them), not by a second pass over the weights: same rows as the oracle. With
+    padding kept as key ranges and causal, whole tiles are outside every row's keys: the kernel
+    writes them without scores, and a NaN row must be NaN there too."""
     from attnlab.functional import sdpa
 
     def second_pass(*args, **kwargs):
@@ -233,10 +238,14 @@ def test_nan_rows_come_from_the_weights_kernel_as_the_oracle_says(where, average
     t[1, 1, 5, 2] = float("nan") if where != "value" else float("inf")
     pad = masks.padding_mask([57, 20])
     bool_mask = pad.as_subclass(torch.Tensor).clone()
+    mask, causal = (pad, "top_left") if structure else (bool_mask, False)
     mode = "average" if average else True
-    assert attnlab.explain(q, k, v, bool_mask, return_weights=mode).path == "triton"
-    out, w = attnlab.scaled_dot_product_attention(q, k, v, bool_mask, return_weights=mode)
-    ref_out, ref_w = oracle(q, k, v, bool_mask, None)
+    said = attnlab.explain(q, k, v, mask, is_causal=causal, return_weights=mode)
+    assert said.path == "triton" and ("key ranges" in str(said)) == structure
+    out, w = attnlab.scaled_dot_product_attention(
+        q, k, v, mask, is_causal=causal, return_weights=mode
+    )
+    ref_out, ref_w = oracle(q, k, v, bool_mask, "top_left" if causal else None)
     ref_w = ref_w.mean(1) if average else ref_w  # (B, L, S) for 4-D inputs
     assert (out.isnan().numpy() == np.isnan(ref_out)).all()
     assert (w.isnan().numpy() == np.isnan(ref_w)).all() and w.isnan().any()

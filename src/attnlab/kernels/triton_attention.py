@@ -15,7 +15,9 @@ with an online softmax (running max ``m``, running sum ``l``, rescaled accumulat
 outside the rows' key ranges and outside the band (below). Pass 2 (:func:`attention_weights`)
 recomputes ``s`` tile by tile and writes
 ``exp(s - lse)``: per head (B, H, L, S), or averaged over heads (B, L, S) by summing the H
-heads inside the program, so the per-head tensor never exists.
+heads inside the program, so the per-head tensor never exists. A tile that no row of it may
+see (the far side of the causal triangle, padding, off a band) is written without computing a
+score: zeros (NaN in a row the NaN rule made NaN).
 
 Which keys may be attended (all conditions at once)::
 
@@ -229,21 +231,29 @@ def _weights_kernel(
         h0 = bh % H
         heads = 1
     r_lo, r_hi = _rows(KSTART, KEND, srb, srl, b, offs_m, L, S, HAS_RANGE)
+    last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, L) - 1
+    lo, hi = _span(r_lo, r_hi, pid_m * BLOCK_M, last, offset, band_lo, band_hi, BAND)
+    # a tile outside every row's keys (the causal triangle's far side, padding, off a window)
+    # is exp(-inf - lse): 0, or NaN in a row whose lse the NaN rule made NaN; no scores needed
+    seen = (pid_n * BLOCK_N < hi) & (pid_n * BLOCK_N + BLOCK_N > lo)
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for hh in range(h0, h0 + heads):
         h = tl.cast(hh, tl.int64)  # int64 base offsets
-        q = tl.load(
-            Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
-            mask=(offs_m[:, None] < L) & (offs_e[None, :] < E),
-            other=0.0,
-        )
-        s = _scores(q, K, b * skb + (h // G) * skh, offs_n, offs_e, ske, sks, S, E, DOT) * scale
-        s = _allowed(
-            s, M, b * smb + h * smh, offs_m, offs_n, sml, sms, r_lo, r_hi, offset, band_lo,
-            band_hi, BAND, MASK,
-        )  # fmt: skip
         lse = tl.load(LSE + (b * H + h) * L + offs_m, mask=offs_m < L, other=float("inf"))
-        total += tl.exp(s - lse[:, None])  # -inf - lse and s - inf both give exp(-inf) = 0
+        if seen:
+            q = tl.load(
+                Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
+                mask=(offs_m[:, None] < L) & (offs_e[None, :] < E),
+                other=0.0,
+            )
+            s = _scores(q, K, b * skb + (h // G) * skh, offs_n, offs_e, ske, sks, S, E, DOT)
+            s = _allowed(
+                s * scale, M, b * smb + h * smh, offs_m, offs_n, sml, sms, r_lo, r_hi, offset,
+                band_lo, band_hi, BAND, MASK,
+            )  # fmt: skip
+            total += tl.exp(s - lse[:, None])  # -inf - lse and s - inf both give exp(-inf) = 0
+        else:
+            total += tl.where(lse == lse, 0.0, float("nan"))[:, None]
     if AVERAGE:
         total = total / H
     tl.store(
