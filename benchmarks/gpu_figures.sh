@@ -5,7 +5,8 @@
 # left, and a step with no time left is skipped and says so. Logs go to $OUT (the device
 # tool's folder that comes back) or ./gpu-logs, one per step, written as the step runs.
 #
-#   bash benchmarks/gpu_figures.sh 1   # kernels' results vs float64, then bench_gpu.py (issue 9)
+#   bash benchmarks/gpu_figures.sh 1   # kernels' results vs float64, then bench_gpu.py (issue 9),
+#                                      # with the weights kernel's tiles swept
 #   bash benchmarks/gpu_figures.sh 2   # additive kernel and its tilings (issue 9, item 3)
 #   bash benchmarks/gpu_figures.sh 3   # decoding vs Hugging Face, issue 11's setup; DecodeStep
 #   bash benchmarks/gpu_figures.sh 4   # decoding at batch 1 and a 2,048-token prompt; beam
@@ -52,7 +53,7 @@ case "${1:-}" in
     ;;
 1)
     run gpu_check "$py" benchmarks/gpu_check.py
-    run bench_gpu_weights "$py" benchmarks/bench_gpu.py --only weights
+    STEP_LIMIT=150 run bench_gpu_weights "$py" benchmarks/bench_gpu.py --only weights --sweep
     run bench_gpu_overhead "$py" benchmarks/bench_gpu.py --only overhead
     run bench_gpu_padding "$py" benchmarks/bench_gpu.py --only padding  # (prints as it goes)
     ;;
