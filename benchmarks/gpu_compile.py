@@ -237,7 +237,7 @@ def main(argv=None, cases=None) -> int:
             tiles += f" w{kernel.metadata.num_warps} s{kernel.metadata.num_stages}"
             results.append(Compiled(name, config, tiles, regs, spilled, kernel.metadata.shared))
     seen = set()
-    print(f"{'kernel':<18}{'config':<34}{'tiles':<16}{'regs':>5}{'spilled':>9}{'shared':>9}")
+    print(f"{'kernel':<22}{'config':<34}{'tiles':<16}{'regs':>5}{'spilled':>9}{'shared':>9}")
     for r in results:
         key = (r.kernel, r.config, r.tiles)
         if key in seen:
@@ -253,7 +253,7 @@ def main(argv=None, cases=None) -> int:
         elif r.spilled:
             flag = f"  (spills: tiles chosen for sm_{TUNED_FOR})"
         print(
-            f"{r.kernel:<18}{r.config:<34}{r.tiles:<16}{r.regs:>5}{r.spilled:>9}{r.shared:>9}{flag}"
+            f"{r.kernel:<22}{r.config:<34}{r.tiles:<16}{r.regs:>5}{r.spilled:>9}{r.shared:>9}{flag}"
         )
     print(f"{len(seen)} kernels compiled for sm_{args.arch}; {len(failures)} failures")
     for f in failures:

@@ -29,12 +29,12 @@ def test_every_kernel_compiles_for_sm90_without_spills(tmp_path):
     done = run("import sys, gpu_compile; sys.exit(gpu_compile.main(['--quick']))", tmp_path)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     out = done.stdout
-    for kernel in ("_forward_kernel", "_weights_kernel", "_dkdv_kernel", "_dq_kernel",
-                   "_decode_kernel", "_fwd_kernel", "_bwd_kernel"):  # fmt: skip
+    for kernel in ("_forward_kernel", "_weights_kernel", "_head_weights_kernel", "_dkdv_kernel",
+                   "_dq_kernel", "_decode_kernel", "_fwd_kernel", "_bwd_kernel"):  # fmt: skip
         assert kernel in out
     assert "; 0 failures" in out and "FAIL" not in out
     # the tuned bf16 tiles of the forward really were compiled (not the interpreter's 32 x 32)
-    assert any(line.startswith("_forward_kernel   bfloat16 E=128") and "128x32 w8 s3" in line
+    assert any(line.startswith("_forward_kernel       bfloat16 E=128") and "128x32 w8 s3" in line
                for line in out.splitlines())  # fmt: skip
 
 

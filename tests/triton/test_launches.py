@@ -61,6 +61,7 @@ def test_every_launch_happens_inside_the_device_guard(monkeypatch):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (40, 40, 40))
     attnlab.scaled_dot_product_attention(q, k, v, return_weights=True)  # forward + weights
+    attnlab.scaled_dot_product_attention(q, k, v, return_weights="average")
     attnlab.scaled_dot_product_attention(q[:, :, :1], k, v, return_weights=True)  # decode
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     pad = attnlab.masks.padding_mask([40])  # lengths: the Triton path trains too
@@ -70,8 +71,9 @@ def test_every_launch_happens_inside_the_device_guard(monkeypatch):
     AF.additive_attention(x[0], x[1], v, wq, wk, ws).sum().backward()
 
     names = {name for name, _ in launched}
-    assert names == {"_forward_kernel", "_weights_kernel", "_decode_kernel", "_dkdv_kernel",
-                     "_dq_kernel", "_fwd_kernel", "_bwd_kernel"}, names  # fmt: skip
+    assert names == {"_forward_kernel", "_head_weights_kernel", "_weights_kernel",
+                     "_decode_kernel", "_dkdv_kernel", "_dq_kernel", "_fwd_kernel",
+                     "_bwd_kernel"}, names  # fmt: skip
     assert all(depth >= 1 for _, depth in launched), launched
     assert set(entered) == {torch.device("cpu")}
 
@@ -92,16 +94,19 @@ def test_grids_stay_within_cudas_limits_for_70000_heads(monkeypatch):
     kv = torch.zeros(1, heads, 2, E)
     out, lse = ta.attention_forward(q, kv, kv)
     ta.attention_weights(q, kv, lse)
+    ta.attention_weights(q, kv, lse, average=True)
     tb.attention_backward(q, kv, kv, out, lse, out, None, None, 0.25, None, None)
     td.decode_attention(q, kv, kv)
     a, b = torch.zeros(heads, 1, 8), torch.zeros(heads, 2, 8)
     value = torch.zeros(heads, 2, E, requires_grad=True)
     tadd.additive_attention(a, b, torch.zeros(8), value).sum().backward()
-    assert set(grids) == {"_forward_kernel", "_weights_kernel", "_dkdv_kernel", "_dq_kernel",
-                          "_decode_kernel", "_fwd_kernel", "_bwd_kernel"}, grids  # fmt: skip
+    assert set(grids) == {"_forward_kernel", "_weights_kernel", "_head_weights_kernel",
+                          "_dkdv_kernel", "_dq_kernel", "_decode_kernel", "_fwd_kernel",
+                          "_bwd_kernel"}, grids  # fmt: skip
     for name, grid in grids.items():
         assert grid[0] <= 2**31 - 1 and all(g <= 65_535 for g in grid[1:]), (name, grid)
-        assert grid[0] >= heads, (name, grid)  # every head has its programs
+        if name != "_weights_kernel":  # (averaged weights: a program sums all heads)
+            assert grid[0] >= heads, (name, grid)  # every head has its programs
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (NaN on purpose)

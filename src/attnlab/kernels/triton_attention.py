@@ -14,10 +14,11 @@ with an online softmax (running max ``m``, running sum ``l``, rescaled accumulat
 (L, S) tile is ever stored. Key blocks that no row of the program may see are never visited:
 outside the rows' key ranges and outside the band (below). Pass 2 (:func:`attention_weights`)
 recomputes ``s`` tile by tile and writes
-``exp(s - lse)``: per head (B, H, L, S), or averaged over heads (B, L, S) by summing the H
-heads inside the program, so the per-head tensor never exists. A tile that no row of it may
-see (the far side of the causal triangle, padding, off a band) is written without computing a
-score: zeros (NaN in a row the NaN rule made NaN).
+``exp(s - lse)``: per head (B, H, L, S), one program per (BLOCK_M rows, b, h) walking the key
+blocks with its query block held, as the forward; or averaged over heads (B, L, S), one
+program per (rows, keys) tile summing the H heads, so the per-head tensor never exists. A
+tile that no row of it may see (the far side of the causal triangle, padding, off a band) is
+written without computing a score: zeros (NaN in a row the NaN rule made NaN).
 
 Which keys may be attended (all conditions at once)::
 
@@ -215,7 +216,8 @@ def _weights_kernel(
     AVERAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    """One (BLOCK_M, BLOCK_N) tile of weights: of head h, or averaged over the H heads."""
+    """One (BLOCK_M, BLOCK_N) tile of weights: of head h, or averaged over the H heads (the
+    per-head weights take :func:`_head_weights_kernel`)."""
     blocks_m, blocks_n = tl.cdiv(L, BLOCK_M), tl.cdiv(S, BLOCK_N)
     pid_mn, bh = _program(blocks_m * blocks_n)  # bh = b * H + h, or b when AVERAGE; int64
     pid_m, pid_n = pid_mn % blocks_m, pid_mn // blocks_m
@@ -261,6 +263,53 @@ def _weights_kernel(
         total.to(W.dtype.element_ty),
         mask=(offs_m[:, None] < L) & (offs_n[None, :] < S),
     )
+
+
+@triton.jit
+def _head_weights_kernel(
+    Q, K, M, KSTART, KEND, LSE, W,
+    sqb, sqh, sql, sqe, skb, skh, sks, ske, smb, smh, sml, sms, srb, srl,
+    H, G, L, S, E, scale, offset, band_lo, band_hi,
+    BAND: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """Per-head weights, one program per (BLOCK_M query rows, b, h), as the forward: its query
+    block is read once and each key block's (BLOCK_M, BLOCK_N) tile of ``exp(s - lse)`` is
+    written in turn (a program per tile would read the query block once per key block)."""
+    pid_m, bh = _program(tl.cdiv(L, BLOCK_M))  # bh = b * H + h, int64
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, BLOCK_E)
+    q = tl.load(
+        Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
+        mask=(offs_m[:, None] < L) & (offs_e[None, :] < E),
+        other=0.0,
+    )  # (BLOCK_M, BLOCK_E)
+    r_lo, r_hi = _rows(KSTART, KEND, srb, srl, b, offs_m, L, S, HAS_RANGE)
+    last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, L) - 1
+    lo, hi = _span(r_lo, r_hi, pid_m * BLOCK_M, last, offset, band_lo, band_hi, BAND)
+    lse = tl.load(LSE + bh * L + offs_m, mask=offs_m < L, other=float("inf"))
+    # a key block outside every row's keys: exp(-inf - lse), 0 (NaN in a NaN-rule row)
+    unseen = tl.where(lse == lse, 0.0, float("nan"))[:, None] + tl.zeros(
+        [BLOCK_M, BLOCK_N], tl.float32
+    )
+    rows_ok = offs_m[:, None] < L
+    for start in range(0, S, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        w = unseen
+        if (start < hi) & (start + BLOCK_N > lo):
+            s = _scores(q, K, b * skb + (h // G) * skh, offs_n, offs_e, ske, sks, S, E, DOT)
+            s = _allowed(
+                s * scale, M, b * smb + h * smh, offs_m, offs_n, sml, sms, r_lo, r_hi, offset,
+                band_lo, band_hi, BAND, MASK,
+            )  # fmt: skip
+            w = tl.exp(s - lse[:, None])
+        tl.store(
+            W + bh * L * S + offs_m[:, None] * S + offs_n[None, :],
+            w.to(W.dtype.element_ty),
+            mask=rows_ok & (offs_n[None, :] < S),
+        )
 
 
 def _dot_mode(dtype: torch.dtype) -> int:
@@ -422,16 +471,20 @@ def attention_weights(
     has_range, start, end, srb, srl = _range_args(key_range, q)
     has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
     BM, BN, BE, _, warps, stages = _blocks(E, E, q.dtype, "weights")
-    grid = (triton.cdiv(L, BM) * triton.cdiv(S, BN) * (B if average else B * H),)
+    args = (
+        q, k, m, start, end, lse, out, *q.stride(), *k.stride(), *ms, srb, srl,
+        H, H // Hkv, L, S, E, scale, offset, band_lo, band_hi,
+    )  # fmt: skip
+    consts = dict(
+        BAND=has_band, MASK=kind, HAS_RANGE=has_range, DOT=_dot_mode(q.dtype),
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     with _triton.on_device(q):
-        _weights_kernel[grid](
-            q, k, m, start, end, lse, out,
-            *q.stride(), *k.stride(), *ms, srb, srl,
-            H, H // Hkv, L, S, E, scale, offset, band_lo, band_hi,
-            BAND=has_band, MASK=kind, HAS_RANGE=has_range,
-            DOT=_dot_mode(q.dtype), AVERAGE=average,
-            BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, num_warps=warps, num_stages=stages,
-        )  # fmt: skip
+        if average:  # a program per (rows, keys) tile sums the H heads
+            grid = (triton.cdiv(L, BM) * triton.cdiv(S, BN) * B,)
+            _weights_kernel[grid](*args, AVERAGE=True, **consts)
+        else:  # a program per (rows, head) walks the key blocks
+            _head_weights_kernel[(triton.cdiv(L, BM) * B * H,)](*args, **consts)
     return out
 
 
