@@ -12,6 +12,7 @@ compares it with float64 on the CPU:
 * training without weights (the dK/dV and dQ kernels), GQA, causal, padding;
 * the split-key decode kernel (1 and 3 query rows against a long cache) with weights;
 * additive attention, forward and backward;
+* the NaN rule's row check (exactly the torch-ops verdict);
 * with two GPUs, kernels on ``cuda:1`` while ``cuda:0`` is current.
 
 Each result must be within twice the error of a control, the naive formula in the same dtype
@@ -254,6 +255,27 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+def check_nonfinite(device, n, dtypes) -> None:
+    """The NaN rule's row check in Triton against its torch-ops reference: exact, bool."""
+    print("== the NaN rule's row check (Triton) vs torch ops ==")
+    from attnlab.functional import nonfinite
+    from attnlab.kernels import triton_nonfinite as tn
+
+    for dtype in dtypes:
+        for B, H, Hkv, L, S, E, Ev in [(2, 8, 2, n, 3 * n, 64, 64), (3, 4, 4, 1, 8 * n, 128, 64)]:
+            g = torch.Generator().manual_seed(L + S)
+            q, k, v = (torch.randn(B, h, m, e, generator=g).to(device, dtype)
+                       for h, m, e in ((H, L, E), (Hkv, S, E), (Hkv, S, Ev)))  # fmt: skip
+            q[0, 1, L // 2, 3], k[1, 0, S - 1, E - 1] = float("nan"), float("inf")
+            v[0, Hkv - 1, 0, 0] = float("-inf")
+            name = f"{str(dtype)[6:]} {(B, H, Hkv, L, S, E, Ev)} row check"
+            got, ref = tn.nonfinite_rows(q, k, v), nonfinite.rows_in_torch_ops(q, k, v)
+            ok = torch.equal(got, ref) and bool(got.any()) and not bool(got.all())
+            print(f"  {'ok  ' if ok else 'FAIL'} {name}")
+            if not ok:
+                failures.append(f"{name}: differs from torch ops")
+
+
 def section(check, *args) -> None:
     """Run one ``check_*``; an exception there (a kernel that does not compile on this GPU, out
     of memory) is a failure with its traceback, and the later sections still run."""
@@ -297,6 +319,7 @@ def main(argv=None) -> int:
     section(check_training, device, training, dtypes)
     section(check_decode, device, 8 * n, dtypes)
     section(check_additive, device, n, dtypes[:2])
+    section(check_nonfinite, device, n, dtypes)
     if device == "cuda" and torch.cuda.device_count() > 1:  # Triton launches on the current one
         print("== on cuda:1 while cuda:0 is current (a model spread over GPUs) ==")
         section(check_weights, "cuda:1", weights[:1], dtypes[1:2])

@@ -146,6 +146,7 @@ def attention_cases(dtypes, dims):
     from attnlab.kernels import triton_attention as ta
     from attnlab.kernels import triton_backward as tb
     from attnlab.kernels import triton_decode as td
+    from attnlab.kernels import triton_nonfinite as tn
 
     B, H, Hkv, L, S = 2, 8, 2, 256, 256
     for dtype in dtypes:
@@ -178,6 +179,7 @@ def attention_cases(dtypes, dims):
                     td.decode_attention(q[:, :, :3], k, k, rows, "bottom_right", None, key_range,
                                         return_weights=True, band=band)  # fmt: skip
                     td.decode_attention(q[:, :, :1], k, k, None, "bottom_right")
+                    tn.nonfinite_rows(q, k, k)  # (the NaN rule's row check)
 
                 yield f"{name} {label}", launch_all
 

@@ -30,7 +30,8 @@ def test_every_kernel_compiles_for_sm90_without_spills(tmp_path):
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     out = done.stdout
     for kernel in ("_forward_kernel", "_weights_kernel", "_head_weights_kernel", "_dkdv_kernel",
-                   "_dq_kernel", "_decode_kernel", "_fwd_kernel", "_bwd_kernel"):  # fmt: skip
+                   "_dq_kernel", "_decode_kernel", "_fwd_kernel", "_bwd_kernel", "_kv_kernel",
+                   "_rows_kernel"):  # fmt: skip
         assert kernel in out
     assert "; 0 failures" in out and "FAIL" not in out
     # the tuned bf16 tiles of the forward really were compiled (not the interpreter's 32 x 32)

@@ -25,6 +25,7 @@ from attnlab.kernels import triton_additive as tadd
 from attnlab.kernels import triton_attention as ta
 from attnlab.kernels import triton_backward as tb
 from attnlab.kernels import triton_decode as td
+from attnlab.kernels import triton_nonfinite as tn
 
 
 def test_the_guard_selects_the_tensors_cuda_device():
@@ -95,6 +96,7 @@ def test_grids_stay_within_cudas_limits_for_70000_heads(monkeypatch):
     out, lse = ta.attention_forward(q, kv, kv)
     ta.attention_weights(q, kv, lse)
     ta.attention_weights(q, kv, lse, average=True)
+    tn.nonfinite_rows(q, kv, kv)
     tb.attention_backward(q, kv, kv, out, lse, out, None, None, 0.25, None, None)
     td.decode_attention(q, kv, kv)
     a, b = torch.zeros(heads, 1, 8), torch.zeros(heads, 2, 8)
@@ -102,7 +104,7 @@ def test_grids_stay_within_cudas_limits_for_70000_heads(monkeypatch):
     tadd.additive_attention(a, b, torch.zeros(8), value).sum().backward()
     assert set(grids) == {"_forward_kernel", "_weights_kernel", "_head_weights_kernel",
                           "_dkdv_kernel", "_dq_kernel", "_decode_kernel", "_fwd_kernel",
-                          "_bwd_kernel"}, grids  # fmt: skip
+                          "_bwd_kernel", "_kv_kernel", "_rows_kernel"}, grids  # fmt: skip
     for name, grid in grids.items():
         assert grid[0] <= 2**31 - 1 and all(g <= 65_535 for g in grid[1:]), (name, grid)
         if name != "_weights_kernel":  # (averaged weights: a program sums all heads)

@@ -11,8 +11,12 @@ What it costs. Eagerly on CPU, one sum per input screens first (:func:`all_finit
 non-finite input pays for the row-by-row check (:func:`nonfinite_rows`). That screen is ~6 us
 of a call at tiny shapes (three sums and three host reads; torch's SDPA itself takes ~5 us
 there) and one read of each input. On a GPU and inside compiled graphs, where a data-dependent
-branch would stall the device, the row check always runs: one more read of the three inputs
-in a few small kernels, no host synchronisation.
+branch would stall the device, the row check always runs, with no host synchronisation: one
+more read of the three inputs, in a few small torch kernels inside a graph, in two Triton
+kernels eagerly on a GPU (:mod:`attnlab.kernels.triton_nonfinite`). Measured on an H200 in
+torch ops (benchmarks/results/h200-2026-11-26, bf16, per call): ~175 us of host time at
+(1, 8, 64, 64), ~105 us at (16, 16, 512, 64), ~0.5 ms (a quarter of the attention) at
+(4, 32, 4096, 128); the Triton kernels' figures are still to be taken.
 
 Who knows the inputs are finite (a model that checks its activations, a serving loop fed by a
 checked embedding) can say so with :class:`assume_finite`: the screen and the row check are
@@ -115,7 +119,20 @@ def nonfinite_rows(
     How: ``max |x|`` per query row and per kv head (one read of each input, no copy), their
     maximum per row (NaN and inf propagate through both, which cannot overflow), then one
     finiteness test: this runs at every traced or GPU call, so it is a few small kernels.
+    Eagerly on a GPU (and under Triton's interpreter), 4-D inputs take two Triton kernels
+    instead, the same verdict in one read of each input
+    (:mod:`attnlab.kernels.triton_nonfinite`).
     """
+    if not torch.compiler.is_compiling() and _kernels_serve(query, key, value):
+        from attnlab.kernels import triton_nonfinite
+
+        return triton_nonfinite.nonfinite_rows(query, key, value, kv_finite)
+    return rows_in_torch_ops(query, key, value, kv_finite)
+
+
+def rows_in_torch_ops(query, key, value, kv_finite=None) -> torch.Tensor:
+    """:func:`nonfinite_rows` in torch ops: what compiled graphs, the CPU and inputs the
+    kernels do not take run, and the readable reference the Triton kernels must equal."""
     rows = _max_abs(query, 1)  # (..., L, 1)
     if kv_finite is None:
         heads = torch.maximum(_max_abs(key, 2), _max_abs(value, 2))  # (..., 1, 1)
@@ -127,6 +144,17 @@ def nonfinite_rows(
         reach = torch.maximum(rows.view(B, Hkv, H // Hkv, L, 1), heads[:, :, None])
         return ~torch.isfinite(reach.view(B, H, L, 1))
     return ~torch.isfinite(torch.maximum(rows, heads))
+
+
+def _kernels_serve(query, key, value) -> bool:
+    """Whether :mod:`attnlab.kernels.triton_nonfinite` takes these inputs (imported only then)."""
+    from attnlab.kernels import _triton
+
+    if query.dim() != 4 or _triton.unfit(query, key, value) is not None:
+        return False
+    from attnlab.kernels import triton_nonfinite
+
+    return triton_nonfinite.unfit(query, key, value) is None
 
 
 def propagate_nonfinite(query, key, value, out, weights=None, kv_finite=None):
