@@ -224,3 +224,55 @@ def test_generate_continues_a_cache_that_holds_tokens_at_the_right_positions(kin
         model.generate(prompt, 2, cache=cache, key_mask=torch.ones(2, 5, dtype=torch.bool))
     cache.reset()
     assert torch.equal(model.generate(prompt, 8, cache=cache), model.generate(prompt, 8))
+
+
+def _sharp_tiny_llama(**extra):
+    from attnlab.models import LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      d_ff=48, **extra)  # fmt: skip
+    model = LlamaModel(cfg).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3)  # sharper logits: a wrong position changes the tokens
+    return model
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "sliding"])
+def test_continuing_a_padded_cache_counts_each_rows_own_positions(kind):
+    # before: a continuation counted every row from the cache's length, padding included, so a
+    # left-padded row's logits were off by up to ~200 and its greedy tokens differed
+    from attnlab.models import DecodeStep
+
+    model = _sharp_tiny_llama(**({"sliding_window": 64} if kind == "sliding" else {}))
+    ids = torch.tensor([[0, 0, 0, 7, 8], [3, 4, 5, 6, 9]])  # row 0 left-padded
+    km = torch.tensor([[0, 0, 0, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    with torch.no_grad():
+        cache = model.make_cache(kind, max_length=32)
+        model(ids, cache=cache, key_mask=km)
+        assert cache.token_counts(0).tolist() == [2, 5]
+        got = model(torch.tensor([[11, 13], [12, 14]]), cache=cache)[:, -1]  # no key_mask
+        want0 = model(torch.tensor([[7, 8, 11, 13]]))[0, -1]
+        want1 = model(torch.tensor([[3, 4, 5, 6, 9, 12, 14]]))[0, -1]
+        torch.testing.assert_close(got, torch.stack([want0, want1]), rtol=0, atol=1e-10)
+        # a decode step run directly, without position_ids, counts the same way
+        step = DecodeStep(model, compile=False)
+        if kind != "dynamic":
+            got = step(torch.tensor([[21], [22]]), cache)[:, -1]
+            want0 = model(torch.tensor([[7, 8, 11, 13, 21]]))[0, -1]
+            torch.testing.assert_close(got[0], want0, rtol=0, atol=1e-10)
+    cache = model.make_cache(kind, max_length=32)
+    first = model.generate(ids, 3, cache=cache, key_mask=km)
+    continued = model.generate(first[:, -1:], 4, cache=cache)
+    alone = model.generate(first[:1, 3:], 4)  # row 0 without its padding
+    assert torch.equal(continued[0, 1:], alone[0, -4:])
+
+
+def test_generate_refuses_a_right_padded_prompt():
+    # before: row 0's next token was read at a padding position (it generated [0, 0, 0, 0])
+    model = _sharp_tiny_llama()
+    ids = torch.tensor([[7, 8, 0, 0], [3, 4, 5, 6]])
+    km = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"row\(s\) \[0\] as padding.*left-padded"):
+        model.generate(ids, 4, key_mask=km)

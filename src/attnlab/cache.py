@@ -80,6 +80,7 @@ class _Layer:
         self.finite = torch.ones(B, Hkv, capacity, dtype=torch.bool, device=key.device)
         self.length = 0  # tokens seen so far (for a ring buffer, more than it holds)
         self.padded = False  # has any padding been stored?
+        self.pads = torch.zeros(B, dtype=torch.long, device=key.device)  # padding seen per row
         self.view = None  # (keys, values, positions, padding, finite) of the last update
 
     def grow(self, capacity: int) -> None:
@@ -105,6 +106,7 @@ class _Layer:
         self.positions[slots] = torch.arange(start, start + key.shape[2], device=key.device)
         if padding is not None:
             self.real[:, slots] = padding
+            self.pads += (~padding).sum(1)
             self.padded = True
         else:
             self.real[:, slots] = True
@@ -131,10 +133,11 @@ class _Layer:
         self.real.fill_(True)
         self.finite.fill_(True)
         self.positions.fill_(-1)
+        self.pads.zero_()
         self.length, self.padded, self.view = 0, False, None
 
     def reorder(self, index: torch.Tensor, in_place: bool) -> None:
-        for name in ("keys", "values", "real", "finite"):
+        for name in ("keys", "values", "real", "finite", "pads"):
             old = getattr(self, name)
             new = old.index_select(0, index)
             if in_place and new.shape == old.shape:
@@ -148,7 +151,7 @@ class _Layer:
         """Tell torch.compile the storage keeps its address (no copy into CUDA graph inputs)."""
         if torch.compiler.is_compiling():  # (allocated inside a traced call: nothing to mark)
             return
-        for t in (self.keys, self.values, self.real, self.positions, self.finite):
+        for t in (self.keys, self.values, self.real, self.positions, self.finite, self.pads):
             torch._dynamo.mark_static_address(t)
 
 
@@ -219,6 +222,16 @@ class Cache:
         """Number of tokens seen by layer ``layer_idx`` (the position of the next token)."""
         layer = self._layers.get(layer_idx)
         return 0 if layer is None else layer.length
+
+    def token_counts(self, layer_idx: int = 0) -> torch.Tensor | None:
+        """(B,) real tokens (not padding) each row has seen at layer ``layer_idx``: the position
+        of its next token when positions count from each row's first real token, as for a
+        left-padded prompt. None while no padding was stored (every row has seen
+        :meth:`get_seq_length` tokens)."""
+        layer = self._layers.get(layer_idx)
+        if layer is None or not layer.padded:
+            return None
+        return layer.length - layer.pads
 
     def key_positions(self, layer_idx: int) -> torch.Tensor:
         """(S,) position in the sequence of each slot returned by the last update; -1 = empty."""
@@ -554,5 +567,7 @@ class SlidingWindowCache(Cache):
         layer.positions[slots] = start + keep
         layer.real[:, slots] = real[:, keep]
         layer.finite[:, :, slots] = finite[:, :, keep]
-        layer.padded = layer.padded or padding is not None
+        if padding is not None:
+            layer.pads += (~padding).sum(1)
+            layer.padded = True
         return view

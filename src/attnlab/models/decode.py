@@ -164,6 +164,10 @@ class DecodeStep:
         # A view such as tokens[:, -1:] has the strides of its base, which grow every step, and
         # the graph is specialised to strides: hand it (B, 1) tensors of strides (1, 1).
         tokens = _dense(tokens)
+        if position_ids is None and self.own_step:
+            counts = cache.token_counts(self.layers[0])
+            if counts is not None:  # a padded prompt: each row counts its own real tokens
+                position_ids = counts[:, None]
         if position_ids is not None:
             position_ids = _dense(position_ids)
         if self._fn is None:

@@ -212,17 +212,24 @@ class LlamaModel(nn.Module):
         """(B, L) token ids -> (B, L, vocab) logits [, per-layer weights (B, H, L, S)].
 
         ``key_mask`` (B, L), True = real token (left padding for batched prompts);
-        with padding, positions count from each row's first real token.
+        with padding, positions count from each row's first real token, also when a cache
+        that holds a padded prompt is continued (:meth:`attnlab.cache.Cache.token_counts`).
         ``logits_to_keep`` > 0: logits of the last that many positions only (B, n, vocab), as
         Hugging Face's argument: a prefill needs the last one (projecting every prompt position
         onto the vocabulary is a fifth of a prefill's work at SmolLM2's shape).
         """
-        if key_mask is not None and position_ids is None:
-            past = 0 if cache is None else cache.get_seq_length(0)
-            position_ids = key_mask.long().cumsum(1) - 1 + past
-            if cache is not None and past:  # continue each row from its own count
-                raise ValueError("pass position_ids when padding a continuation")
-            position_ids = position_ids.clamp_min(0)
+        counts = None if cache is None else cache.token_counts(0)  # (B,) when it holds padding
+        if position_ids is None and (key_mask is not None or counts is not None):
+            # each row counts from its own first real token, after the real tokens it has seen
+            B, L = input_ids.shape
+            if counts is None:
+                past = 0 if cache is None else cache.get_seq_length(0)
+                counts = torch.full((B,), past, device=input_ids.device)
+            if key_mask is not None:
+                steps = key_mask.long().cumsum(1) - 1
+            else:
+                steps = torch.arange(L, device=input_ids.device).expand(B, L)
+            position_ids = (counts[:, None] + steps).clamp_min(0)
         x = self.embed(input_ids)
         angles = self._rope_angles(position_ids, cache, input_ids)  # once, for every layer
         all_weights = []
@@ -334,8 +341,10 @@ class LlamaModel(nn.Module):
             cache: ``"dynamic"``, ``"static"``, ``"sliding"`` or a cache object; default
                 ``"static"`` with ``compile=True``, else ``"dynamic"``. A cache object that
                 already holds tokens is continued: they are the context before ``input_ids``,
-                whose positions follow them (``cache.reset()`` first for an unrelated prompt).
-            key_mask: (B, P) bool, True = real token (left padding).
+                whose positions follow them, row by row when they were a padded prompt
+                (``cache.reset()`` first for an unrelated prompt).
+            key_mask: (B, P) bool, True = real token: left padding, so that every row's last
+                token is real (the next token is read there).
             eos_token_id: rows stop at it (later tokens of a stopped row repeat it).
             compile: decode with a compiled step (:class:`attnlab.models.decode.DecodeStep`):
                 the prompt is prefilled eagerly, then every new token replays one graph
@@ -353,7 +362,7 @@ class LlamaModel(nn.Module):
             TypeError: ``compile=True`` with a dynamic cache (its storage grows); the fix is
                 ``cache="static"``.
             ValueError: ``key_mask`` with a cache that already holds tokens (a padded prompt
-                starts a sequence).
+                starts a sequence), or whose last column holds padding (right padding).
         """
         from attnlab.models.decode import DecodeStep
 
@@ -371,6 +380,14 @@ class LlamaModel(nn.Module):
         if step is not None:
             step.check_cache_kind(cache)  # before the prefill: fail fast
         past = cache.get_seq_length(0)  # tokens the cache already holds: the prompt follows them
+        if key_mask is not None and P and not bool(key_mask[:, -1].all()):
+            rows = (~key_mask[:, -1]).nonzero().flatten().tolist()
+            raise ValueError(
+                f"key_mask marks the last prompt token of row(s) {rows} as padding: generate "
+                f"reads each row's next token at the last position, so prompts must be "
+                f"left-padded. Fix: put the padding before each prompt (tokenizer "
+                f"padding_side='left')."
+            )
         if key_mask is not None and past:
             raise ValueError(
                 f"key_mask (a left-padded prompt) needs an empty cache; this one holds {past} "
@@ -378,10 +395,11 @@ class LlamaModel(nn.Module):
                 f"key_mask out to continue the cached sequence."
             )
         logits = self(input_ids, cache=cache, key_mask=key_mask, logits_to_keep=1)
-        if key_mask is None:
+        counts = cache.token_counts(0)  # (B,) real tokens per row, when there was padding
+        if counts is None:
             next_pos = torch.full((B, 1), past + P, dtype=torch.long, device=input_ids.device)
         else:
-            next_pos = key_mask.long().sum(1, keepdim=True)
+            next_pos = counts[:, None].clone()
         tokens = [input_ids]
         done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         for i in range(max_new_tokens):
