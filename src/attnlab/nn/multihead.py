@@ -45,7 +45,12 @@ class MultiHeadAttention(nn.Module):
             (base 10000), or a float: the base.
         sliding_window: each query sees only itself and the ``sliding_window - 1`` positions
             before it (causal).
-        layer_idx: this layer's index in a :mod:`attnlab.cache` cache.
+        layer_idx: this layer's index in a :mod:`attnlab.cache` cache: one per application
+            in a forward pass. A cache cannot tell two applications of one index in a pass
+            from two decode steps, so a layer applied twice per pass (weights shared across
+            depth) with one index stores both applications' keys in one sequence and attends
+            to the wrong keys: give it an index per application (a ``layer_idx`` attribute
+            changed between calls, or one module per application sharing the weights).
 
     Raises:
         ValueError: at construction, for an inconsistent configuration (the message names both
