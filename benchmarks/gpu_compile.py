@@ -171,6 +171,7 @@ def attention_cases(dtypes, dims):
                 def launch_all(q=q, k=k, E=E, args=args, band=band):
                     mask, alignment, _, key_range = args
                     out, lse = ta.attention_forward(q, k, k, *args, band=band)
+                    ta.attention_forward(q, k, k, *args, band=band, out_dtype=torch.float32)
                     ta.attention_weights(q, k, lse, *args, band=band)
                     ta.attention_weights(q, k, lse, *args, average=True, band=band)
                     tb.attention_backward(q, k, k, out, lse, out, mask, alignment, E**-0.5,

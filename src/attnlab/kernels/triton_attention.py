@@ -415,6 +415,7 @@ def attention_forward(
     scale: float | None = None,
     key_range: tuple[torch.Tensor, torch.Tensor] | None = None,
     band: tuple[int, int, int] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, H, L, E), (B, Hkv, S, E), (B, Hkv, S, Ev) -> out (B, H, L, Ev), lse (B, H, L) fp32.
 
@@ -425,12 +426,13 @@ def attention_forward(
     ``band``: optional ``(offset, lo, hi)``: query i may attend keys j with
     ``lo <= j - (i + offset) <= hi`` (a sliding window). Key blocks outside the ranges, the
     causal triangle and the band are skipped, not read.
-    Rows with no attendable key: output 0 and lse +inf.
+    Rows with no attendable key: output 0 and lse +inf. ``out_dtype``: the output's dtype
+    (default q's; float32 keeps the unrounded output, for the backward).
     """
     B, H, L, E = q.shape
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
-    out = q.new_empty(B, H, L, Ev)
+    out = q.new_empty(B, H, L, Ev, dtype=out_dtype or q.dtype)
     lse = torch.empty(B, H, L, device=q.device, dtype=torch.float32)
     kind, m, ms = _mask_args(mask, q, S)
     has_range, start, end, srb, srl = _range_args(key_range, q)

@@ -208,16 +208,22 @@ def attention_backward(q, k, v, out, lse, grad_out, mask, alignment, scale, key_
 
 
 class TritonAttention(torch.autograd.Function):
-    """Attention by the Triton kernels, forward and backward: saves Q, K, V, O and the row
-    log-sum-exp (B, H, L) -- never the (B, H, L, S) weights."""
+    """Attention by the Triton kernels, forward and backward: saves Q, K, V, O (float32) and the
+    row log-sum-exp (B, H, L) -- never the (B, H, L, S) weights."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, alignment, scale, key_range, band=None):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        out, lse = attention_forward(q, k, v, mask, alignment, scale, key_range, band)
+        # 16-bit inputs: the output is kept in float32 for the backward, whose row term
+        # delta = rowsum(dO * O) must cancel against dP where one key takes nearly all the
+        # weight; from the rounded output, delta was off by ~2**-9 |dO| |O|, and dQ, dK of such
+        # rows by 100-4,000x their own size (the returned output is the same rounding of it)
+        out, lse = attention_forward(
+            q, k, v, mask, alignment, scale, key_range, band, out_dtype=torch.float32
+        )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (mask, alignment, scale, key_range, band)
-        return out
+        return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable  # the kernels' gradients carry no graph: a second derivative raises
