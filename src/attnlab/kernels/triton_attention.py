@@ -72,6 +72,17 @@ def _program(inner):
 
 
 @triton.jit
+def _tile(P, base, rows, cols, s_row, s_col, n_rows, n_cols):
+    """The (len(rows), len(cols)) tile ``P[base + rows * s_row + cols * s_col]``, 0 outside
+    ``n_rows`` x ``n_cols``."""
+    return tl.load(
+        P + base + rows[:, None] * s_row + cols[None, :] * s_col,
+        mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols),
+        other=0.0,
+    )
+
+
+@triton.jit
 def _dot(a, b, DOT: tl.constexpr):
     """a @ b accumulated in fp32. DOT: 0 the inputs' dtype (fp16/bf16 tensor cores), 1 fp32 in
     IEEE precision (not TF32), 2 16-bit inputs upcast first: the interpreter's NumPy has no
@@ -160,11 +171,7 @@ def _forward_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_e = tl.arange(0, BLOCK_E)
     offs_ev = tl.arange(0, BLOCK_EV)
-    q = tl.load(
-        Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
-        mask=(offs_m[:, None] < L) & (offs_e[None, :] < E),
-        other=0.0,
-    )  # (BLOCK_M, BLOCK_E)
+    q = _tile(Q, b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, E)  # (BLOCK_M, BLOCK_E)
     k_base = b * skb + hk * skh
     v_base = b * svb + hk * svh
     m_base = b * smb + h * smh
@@ -243,11 +250,7 @@ def _weights_kernel(
         h = tl.cast(hh, tl.int64)  # int64 base offsets
         lse = tl.load(LSE + (b * H + h) * L + offs_m, mask=offs_m < L, other=float("inf"))
         if seen:
-            q = tl.load(
-                Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
-                mask=(offs_m[:, None] < L) & (offs_e[None, :] < E),
-                other=0.0,
-            )
+            q = _tile(Q, b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, E)
             s = _scores(q, K, b * skb + (h // G) * skh, offs_n, offs_e, ske, sks, S, E, DOT)
             s = _allowed(
                 s * scale, M, b * smb + h * smh, offs_m, offs_n, sml, sms, r_lo, r_hi, offset,
@@ -281,11 +284,7 @@ def _head_weights_kernel(
     h = bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_e = tl.arange(0, BLOCK_E)
-    q = tl.load(
-        Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
-        mask=(offs_m[:, None] < L) & (offs_e[None, :] < E),
-        other=0.0,
-    )  # (BLOCK_M, BLOCK_E)
+    q = _tile(Q, b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, E)  # (BLOCK_M, BLOCK_E)
     r_lo, r_hi = _rows(KSTART, KEND, srb, srl, b, offs_m, L, S, HAS_RANGE)
     last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, L) - 1
     lo, hi = _span(r_lo, r_hi, pid_m * BLOCK_M, last, offset, band_lo, band_hi, BAND)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from attnlab.kernels import _triton
 from attnlab.kernels._triton import offsets_unfit
-from attnlab.kernels.triton_attention import _program
+from attnlab.kernels.triton_attention import _program, _tile
 
 BLOCK_S = 64  # keys per program in _kv_kernel
 BLOCK_L = 64  # query rows per program in _rows_kernel
@@ -53,16 +53,8 @@ def _kv_kernel(
     offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_e = tl.arange(0, BLOCK_E)
     offs_ev = tl.arange(0, BLOCK_EV)
-    k = tl.load(
-        K + b * skb + h * skh + offs_s[:, None] * sks + offs_e[None, :] * ske,
-        mask=(offs_s[:, None] < S) & (offs_e[None, :] < E),
-        other=0.0,
-    )
-    v = tl.load(
-        V + b * svb + h * svh + offs_s[:, None] * svs + offs_ev[None, :] * sve,
-        mask=(offs_s[:, None] < S) & (offs_ev[None, :] < EV),
-        other=0.0,
-    )
+    k = _tile(K, b * skb + h * skh, offs_s, offs_e, sks, ske, S, E)
+    v = _tile(V, b * svb + h * svh, offs_s, offs_ev, svs, sve, S, EV)
     bad = tl.maximum(_any_nonfinite(k.to(tl.float32)), _any_nonfinite(v.to(tl.float32)))
     tl.store(FLAGS + bh * tl.cdiv(S, BLOCK_S) + pid_s, bad.to(tl.int8))
 
@@ -77,11 +69,7 @@ def _rows_kernel(
     h = bh % H
     offs_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
     offs_e = tl.arange(0, BLOCK_E)
-    q = tl.load(
-        Q + b * sqb + h * sqh + offs_l[:, None] * sql + offs_e[None, :] * sqe,
-        mask=(offs_l[:, None] < L) & (offs_e[None, :] < E),
-        other=0.0,
-    ).to(tl.float32)
+    q = _tile(Q, b * sqb + h * sqh, offs_l, offs_e, sql, sqe, L, E).to(tl.float32)
     rows = tl.max(((q - q) != 0).to(tl.int32), 1)  # (BLOCK_L,)
     kv = tl.zeros([BLOCK_F], tl.int32)
     flags = FLAGS + (b * (H // G) + h // G) * NFLAGS  # this kv head's flags
