@@ -82,3 +82,17 @@ def test_no_valid_pair_is_an_error_in_both_modes(tmp_path, on_error):
 def test_bad_on_error_value(tmp_path):
     with pytest.raises(ValueError, match="on_error must be one of"):
         load_pairs(write(tmp_path, b"a\tb\n"), on_error="ignore")
+
+
+def test_decomposed_text_is_read_as_nfc_the_form_the_tokenizer_writes(tmp_path):
+    """Before: a reference in NFD ("e" + combining acute) stayed NFD while every translation
+    comes out NFC (the tokenizer normalises), so a perfect translation scored below 100."""
+    import unicodedata
+
+    nfd = unicodedata.normalize("NFD", "café\tqué\tid1\n")
+    assert nfd != unicodedata.normalize("NFC", nfd)
+    path = tmp_path / "d.tsv"
+    path.write_text(nfd, encoding="utf-8")
+    (pair,), problems = load_pairs(path)
+    assert not problems and (pair.source, pair.target) == ("café", "qué")
+    assert unicodedata.is_normalized("NFC", pair.source + pair.target)

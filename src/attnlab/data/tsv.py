@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import os
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,7 +130,12 @@ def _parse(
             f"{len(fields)} tab-separated columns, expected 2 or 3 (source, target, id); "
             "a tab inside a sentence must be replaced by a space"
         )
-    source, target = fields[0], fields[1]
+    # NFC (canonical composition): the tokenizer writes NFC, so a decomposed reference ("e"
+    # + combining accent) could never be matched byte for byte; NFC is the same text
+    source, target = (
+        unicodedata.normalize("NFC", fields[0]),
+        unicodedata.normalize("NFC", fields[1]),
+    )
     if not source or not target:
         return None, "empty source" if not source else "empty target"
     pair_id = fields[2] if len(fields) == 3 and fields[2] else f"{file_name}:{number}"
