@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -417,3 +418,23 @@ def test_user_data_is_copied_into_the_run_folder(tmp_path, capsys):
     code, stdout, err = attnlab(capsys, "evaluate", out, "--limit", "3", "--json", "--no-aer")
     assert code == 0, err
     assert json.loads(stdout)["sentences"] == 3
+
+
+def test_max_len_counts_what_it_leaves_out_of_validation_and_the_report_says_on_what(
+    tmp_path, capsys
+):
+    """Before: validation pairs past --max-len vanished from the validation loss without a word,
+    and the report did not say the loss was taken on the first 300 validation pairs left; the
+    chrF signature was stored but never printed."""
+    out = tmp_path / "r"
+    code, stdout, err = attnlab(capsys, "train", *TINY, "--max-len", "18", "--max-steps", "2",
+                                "--out", out)  # fmt: skip
+    assert code == 0, err
+    dropped = re.search(r"note: (\d+) validation pair\(s\) of 18 tokens or more left out", err)
+    assert dropped and int(dropped.group(1)) > 0
+    assert "training pair(s) of 18 tokens or more left out" in err
+    results = json.loads((out / "results.json").read_text())
+    assert results["train"]["val_loss_pairs"] == 300
+    assert "(first 300 validation pairs)" in stdout
+    for name in ("bleu_signature", "chrf_signature"):
+        assert f"sacrebleu {results['test'][name]}" in stdout

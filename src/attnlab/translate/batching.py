@@ -35,7 +35,7 @@ class Encoded:
 
 
 def encode_pairs(tokenizer: Tokenizer, pairs, max_len: int | None = None) -> tuple[Encoded, int]:
-    """Encode pairs; drop those whose source or target exceeds ``max_len`` tokens.
+    """Encode pairs; drop those whose source or target has ``max_len`` tokens or more.
 
     Returns:
         ``(encoded, dropped)``.

@@ -181,7 +181,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-len",
         type=positive_int,
         default=None,
-        help="leave out training pairs longer than this many tokens (default 128)",
+        help="leave out training and validation pairs of this many tokens or more (default 128)",
     )
     g.add_argument("--seed", type=seed_int, default=None, help="random seed (default 1)")
     g = parser.add_argument_group("run")

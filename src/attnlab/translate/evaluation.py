@@ -165,12 +165,15 @@ def format_scores(res: dict, split: str, *, alignment_heading: str) -> list[str]
     n = res["sentences"]
     counted = f"first {n:,} of {res['of']:,}" if res.get("of", n) > n else f"{n:,}"
     cut = res.get("cut_at_length_limit", 0)
-    cut_text = f" ({cut:,} translations cut at the length limit)" if cut else ""
+    cut_text = (
+        f" ({cut:,} translation{'s' if cut != 1 else ''} cut at the length limit)" if cut else ""
+    )
     lines = [
         f"{split} split ({counted} pairs, beam {res['beam_size']}{timing}){cut_text}: "
         f"BLEU {res['bleu']:.2f}  chrF {res['chrf']:.2f}"
         + (f"  exact match {res['exact_match']:.2f}%" if "exact_match" in res else ""),
         f"  sacrebleu {res['bleu_signature']}",
+        f"  sacrebleu {res['chrf_signature']}",
     ]
     if "alignment" in res:
         lines.append(alignment_heading)

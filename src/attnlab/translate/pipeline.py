@@ -551,14 +551,20 @@ def train_run(
         {k: v for k, v in train_cfg.items() if v != "auto" and k != "precision"}
     )
     train_data, dropped = encode_pairs(tokenizer, task.train, early.max_len)
-    val_data, _ = encode_pairs(tokenizer, task.validation, early.max_len)
+    val_data, val_dropped = encode_pairs(tokenizer, task.validation, early.max_len)
     if not len(train_data):
         raise ValueError(
-            f"--max-len {early.max_len} leaves no training pair: all {dropped:,} are longer "
-            f"(in tokens of this run's tokenizer). Fix: a larger --max-len, or leave it out"
+            f"--max-len {early.max_len} leaves no training pair: all {dropped:,} have "
+            f"{early.max_len} tokens or more (in tokens of this run's tokenizer). Fix: a larger "
+            f"--max-len, or leave it out"
         )
     if dropped and dist.main:
-        log(f"note: {dropped} training pair(s) longer than {early.max_len} tokens left out")
+        log(f"note: {dropped} training pair(s) of {early.max_len} tokens or more left out")
+    if val_dropped and dist.main:
+        log(
+            f"note: {val_dropped} validation pair(s) of {early.max_len} tokens or more left out "
+            f"of the validation loss"
+        )
     torch.manual_seed(early.seed)
     model = build_model(config["model"], tokenizer.vocab_size).to(device)
     precision = gpu.resolve_precision(train_cfg.get("precision"), device)

@@ -141,6 +141,7 @@ def final_report(
             "cpu_seconds": round(getattr(state, "cpu_seconds", 0.0), 1) if state else None,
             "tokens": getattr(state, "tokens", None),
             "val_loss": history[-1]["val_loss"] if history else None,
+            "val_loss_pairs": history[-1].get("val_pairs") if history else None,
         },
         "test": res,
     }
@@ -173,6 +174,11 @@ def print_report(results: dict) -> None:
             else ""
         )
         + f", validation loss {tr['val_loss']}"
+        + (
+            f" (first {tr['val_loss_pairs']:,} validation pairs)"
+            if tr.get("val_loss_pairs")
+            else ""
+        )
     )
     heading = "Attention as word alignment (vs the reference links of the test split):"
     print("\n".join(format_scores(res, "Test", alignment_heading=heading)))

@@ -40,7 +40,8 @@ class Translation:
             requested, or for the attention-free RNN.
         score: the decoder's score (log-probability, length-normalised for beam search).
         complete: whether the model ended the sentence; False when decoding stopped at the
-            length limit (1.5 x the source's tokens + 10, at most 512) and the text is cut.
+            length limit (1.5 x (the source's tokens + 1, its end-of-sentence token) + 10, at
+            most 512) and the text is cut.
     """
 
     source: str

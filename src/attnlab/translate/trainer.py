@@ -380,6 +380,7 @@ def fit(
         subset = Encoded(val_data.src[: opts.val_pairs], val_data.tgt[: opts.val_pairs])
         loss = validation_loss(model, subset, device)
         rec = {
+            "val_pairs": len(subset),
             "step": state.step,
             "epoch": round(state.epoch + state.position / max(1, len(batches_of(state.epoch))), 3),
             "elapsed": round(state.elapsed, 1),
