@@ -286,6 +286,8 @@ def test_compare_two_variants(tmp_path, capsys):
     assert "rnn-none" in md and "transformer-gqa" in md
     assert "scored on the first 10 test pairs" in md  # (before: the title did not say)
     assert (out / "compare.csv").read_text().count("\n") == 3
+    cut = any(r["cut_at_length_limit"] for r in json.loads((out / "compare.json").read_text()))
+    assert ("cut at limit" in md) == cut
     # each row carries its own variant's scores, as its run directory recorded them
     rows = json.loads((out / "compare.json").read_text())
     assert [r["variant"] for r in rows] == ["rnn-none", "transformer-gqa"]
@@ -294,6 +296,9 @@ def test_compare_two_variants(tmp_path, capsys):
         test = results["test"]
         assert (row["bleu"], row["chrf"]) == (test["bleu"], test["chrf"])
         assert row["parameters"] == results["parameters"]
+        # (before: translations cut at the length limit were not in the table)
+        assert row["cut_at_length_limit"] == test.get("cut_at_length_limit", 0)
+        assert row["sentences"] == test["sentences"] == 10
         if row["variant"] == "rnn-none":
             assert row["aer"] == "" and "alignment" not in test  # no attention, no AER
         else:

@@ -55,6 +55,8 @@ COLUMNS = (
     "bleu",
     "chrf",
     "exact_match",
+    "sentences",
+    "cut_at_length_limit",
     "aer",
     "aer_referenced",
     "best_head_aer",
@@ -163,6 +165,8 @@ def _row(variant: str, results: dict) -> dict:
         "bleu": test["bleu"],
         "chrf": test["chrf"],
         "exact_match": test.get("exact_match", ""),
+        "sentences": test["sentences"],
+        "cut_at_length_limit": test.get("cut_at_length_limit", 0),
         "aer": al.get("aer", ""),
         "aer_referenced": al.get("aer_referenced", ""),
         "best_head_aer": (al.get("best_head") or {}).get("aer_referenced", ""),
@@ -187,12 +191,18 @@ def write_table(out: Path, rows: list[dict], title: str) -> None:
         ("bleu", "BLEU"),
         ("chrf", "chrF"),
         ("exact_match", "exact %"),
+        ("cut_at_length_limit", "cut at limit"),
         ("aer", "AER %"),
         ("aer_referenced", "AER ref. %"),
         ("best_head_aer", "best head AER ref. %"),
     )
     keys, headers = zip(*shown, strict=True)
-    show = [i for i, k in enumerate(keys) if any(r.get(k) not in ("", None) for r in rows)]
+
+    def filled(k: str) -> bool:  # (no translation cut in any variant: no such column)
+        blank = ("", None, 0) if k == "cut_at_length_limit" else ("", None)
+        return any(r.get(k) not in blank for r in rows)
+
+    show = [i for i, k in enumerate(keys) if filled(k)]
     lines = [
         f"# {title}",
         "",
@@ -211,6 +221,12 @@ def write_table(out: Path, rows: list[dict], title: str) -> None:
         "heads; best head in the last column) against the reference word alignments; "
         "'ref.' scores only target words that have a reference link. Lower is better.",
     ]
+    if "cut_at_length_limit" in (keys[i] for i in show):
+        lines += [
+            "",
+            "cut at limit: test translations that decoding stopped at the length limit "
+            "(1.5 x (source tokens + 1) + 10), their text cut short.",
+        ]
     atomic_write_text(out / "compare.md", "\n".join(lines) + "\n")
     try:
         from attnlab.translate.plot import compare_chart
