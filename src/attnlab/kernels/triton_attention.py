@@ -326,16 +326,17 @@ def _dot_mode(dtype: torch.dtype) -> int:
 # spread the registers (4 warps spilled 0.2-17 KiB per thread at 32 x 32). A test compiles them
 # all and fails on a spill. Triton 3.6 (torch 2.11's, on the H200 that gave the first figures)
 # spilled where 3.9 did not with float32 at E = 128 (forward 16 x 64: ~330 B; decode 4 warps:
-# 312 B): those take tiles that spill in neither. With 3.6 some still spill: the bf16 dK/dV
-# kernel at E = 128 with a mask, ranges and a band (32-40 B; 32 x 32 tiles would not, at half
-# the rows), and float32 at E = 64 (the weights kernels, ~70-300 B) and E = 256 (decode, ~2 KB):
-# to be settled by timing (benchmarks/bench_gpu.py) under the Triton the GPU machine has.
+# 312 B) and for the weights at E = 64: those take tiles that spill in neither. With 3.6 some
+# still spill: the 16-bit dK/dV kernel at E = 128 with a mask, ranges and a band (32-40 B;
+# 32 x 32 tiles would not, at half the rows), float32 dK/dV and dQ at E = 64 (16-24 B) and
+# float32 decode at E = 256 (~2 KB): to be settled by timing (benchmarks/bench_gpu.py) under
+# the Triton the GPU machine has.
 TILES = {
     "forward": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3),
                 (True, 256): (64, 32, 8, 2), (False, 64): (32, 32, 8, 2),
                 (False, 128): (16, 32, 8, 1), (False, 256): (32, 16, 8, 1)},
     "weights": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3),
-                (True, 256): (128, 32, 8, 1), (False, 64): (128, 32, 8, 1),
+                (True, 256): (128, 32, 8, 1), (False, 64): (32, 64, 8, 1),
                 (False, 128): (32, 32, 8, 2), (False, 256): (32, 32, 8, 2)},
     "backward": {(True, 64): (64, 32, 4, 2), (True, 128): (64, 32, 4, 2),
                  (True, 256): (16, 32, 8, 2), (False, 64): (32, 32, 8, 2),

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from attnlab.kernels import _triton
 from attnlab.kernels._triton import offsets_unfit
-from attnlab.kernels.triton_attention import _program, _tile
+from attnlab.kernels.triton_attention import MAX_HEAD_DIM, _program, _tile
 
 BLOCK_S = 64  # keys per program in _kv_kernel
 BLOCK_L = 64  # query rows per program in _rows_kernel
@@ -95,8 +95,8 @@ def unfit(query, key, value, kv_finite=None) -> str | None:
         return "a batch or key/value shapes that broadcast"
     if key.shape[1] == 0 or H % key.shape[1] or not query.numel():
         return "kv heads that do not divide the query heads, or an empty input"
-    if max(query.shape[-1], key.shape[-1], value.shape[-1]) > 1024:
-        return "a head dim over 1024"
+    if max(query.shape[-1], key.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
+        return f"a head dim over {MAX_HEAD_DIM}"
     return offsets_unfit(query=query, key=key, value=value)
 
 
