@@ -366,8 +366,9 @@ def padding_mask(
     keep = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])  # (B, S)
     mask = Mask(keep[:, None, None, :])
     # The structure, kept: kernels that take it skip the key blocks outside [start, end)
-    # instead of reading the mask (attnlab.explain says when).
-    _remember(mask, key_range=(start, end))
+    # instead of reading the mask (attnlab.explain says when). int32, as the kernels read it:
+    # no conversion per call.
+    _remember(mask, key_range=(start.to(torch.int32), end.to(torch.int32)))
     return mask
 
 
@@ -404,7 +405,8 @@ def document_mask(
     pos = torch.arange(len(doc), device=lengths.device)
     keep = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])  # (T, T)
     mask = Mask(keep)
-    _remember(mask, key_range=(start[None, :], end[None, :]))  # (1, T): a range per query row
+    ranges = (start[None, :].to(torch.int32), end[None, :].to(torch.int32))  # as kernels read
+    _remember(mask, key_range=ranges)  # (1, T): a range per query row
     return mask
 
 

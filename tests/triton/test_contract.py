@@ -39,3 +39,16 @@ def test_key_padding_alone_goes_to_sdpa_where_it_was_measured_faster(monkeypatch
     assert attnlab.explain(q, k, v, pad, return_weights=True).path == "triton"
     assert attnlab.explain(q, k, v, window).path == "triton"
     assert attnlab.explain(q, k, v, masks.document_mask([5, 4])).path == "triton"
+
+
+def test_a_structured_masks_ranges_reach_the_kernels_without_a_copy_per_call():
+    """The kernels read int32 ranges: a padding or document mask keeps them so, and a call
+    passes views of them (before: two conversions, two launches, at every call)."""
+    from attnlab import masks
+    from attnlab.kernels import triton_attention as ta
+
+    q = torch.zeros(2, 4, 9, 16)
+    for mask in (masks.padding_mask(torch.tensor([9, 4])), masks.document_mask([5, 4])):
+        start, end = mask.key_range
+        _, s, e, *_ = ta._range_args(mask.key_range, q)
+        assert s.data_ptr() == start.data_ptr() and e.data_ptr() == end.data_ptr()
