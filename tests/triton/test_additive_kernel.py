@@ -69,9 +69,9 @@ class FlashStyle(torch.autograd.Function):
     """Control 2: the kernel's own formulation, materialised in plain torch ops.
 
     The forward keeps the row log-sum-exp; the backward rebuilds P = exp(s - lse) and uses
-    D = rowsum(dO * O), as the kernel does. Its float32 rounding differs from autograd's (P is
-    not renormalised, D comes from the rounded output), which is why it is a control too. In
-    float64 it must equal autograd of :func:`naive` (checked below).
+    D = rowsum(dO * O), with O before its rounding to 16 bits, as the kernel does. Its float32
+    rounding differs from autograd's (P is not renormalised), which is why it is a control too.
+    In float64 it must equal autograd of :func:`naive` (checked below).
     """
 
     @staticmethod
@@ -79,16 +79,18 @@ class FlashStyle(torch.autograd.Function):
         s = torch.tanh(a[..., :, None, :] + b[..., None, :, :]) @ w + bias_ls  # (..., L, S)
         lse = torch.logsumexp(s, -1, keepdim=True)
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # dead rows: P = 0
-        out = torch.exp(s - lse) @ v
+        wide = torch.promote_types(v.dtype, torch.float32)  # (D from this: the kernel keeps it)
+        out = torch.exp(s - lse).to(wide) @ v.to(wide)
         ctx.save_for_backward(a, b, w, v, bias_ls, lse, out)
-        return out
+        return out.to(v.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
         a, b, w, v, bias_ls, lse, out = ctx.saved_tensors
         t = torch.tanh(a[..., :, None, :] + b[..., None, :, :])  # (..., L, S, A)
         p = torch.exp(t @ w + bias_ls - lse)
-        ds = p * (d_out @ v.transpose(-1, -2) - (d_out * out).sum(-1, keepdim=True))
+        delta = (d_out.to(out.dtype) * out).sum(-1, keepdim=True).to(p.dtype)
+        ds = p * (d_out @ v.transpose(-1, -2) - delta)
         g = ds[..., None] * w * (1 - t * t)  # (..., L, S, A)
         dw = (ds[..., None] * t).reshape(-1, w.shape[0]).sum(0)
         return g.sum(-2), g.sum(-3), dw, p.transpose(-1, -2) @ d_out, None
@@ -326,3 +328,42 @@ def test_under_assume_finite_the_kernel_skips_the_nan_rule(monkeypatch):
         assert AF.explain_additive(q, k, v, w_q, w_k, w, bias=b).path == "triton"
         got = AF.additive_attention(q, k, v, w_q, w_k, w, bias=b)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_nan_weight_makes_a_fully_masked_row_nan_as_the_chunked_path_does(kernel_calls):
+    """A NaN in w reaches every score; where the mask forbids all of a row's keys the kernel
+    wrote -inf over them and returned a dead row's 0 (the chunked path and the oracle: NaN)."""
+    q, k, v, wq, wk, w, _ = (t.float() for t in make((1,), 3, 5, 4, 4, 2, 6))
+    w[0] = float("nan")
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[1] = False  # row 1 may attend nothing
+    out = AF.additive_attention(q, k, v, wq, wk, w, mask)
+    chunked, _ = AF.additive_attention(q, k, v, wq, wk, w, mask, return_weights=True)
+    oracle = R.additive_attention(*(np64(t) for t in (q, k, v, wq, wk, w)), np64(mask))
+    assert len(kernel_calls) == 1
+    assert out.isnan().all() and chunked.isnan().all() and np.isnan(oracle).all()
+
+
+def test_bf16_gradients_stay_within_twice_the_naive_formulas_error():
+    """The backward's row term D = rowsum(dO * O) came from the bf16-rounded output: a bias in
+    every dS that the tanh chain sums over A (query gradients 3.5x the naive bf16 formula's
+    error here). Controls: the naive formula in bf16, against float64."""
+    torch.manual_seed(0)
+    L, S, Dq, Dk, A, Dv = 15, 18, 1, 20, 33, 100
+    base = [torch.randn(L, Dq), torch.randn(S, Dk), torch.randn(S, Dv), torch.randn(A, Dq),
+            torch.randn(A, Dk) / Dk**0.5, torch.randn(A)]  # fmt: skip
+    g = torch.randn(L, Dv, dtype=F64)
+
+    def grads(fn, dtype):
+        x = [t.bfloat16().to(dtype).requires_grad_() for t in base]
+        return torch.autograd.grad(fn(*x), x, g.to(dtype))
+
+    def textbook(q, k, v, wq, wk, w):
+        return torch.softmax(torch.tanh((q @ wq.T)[:, None] + (k @ wk.T)[None]) @ w, -1) @ v
+
+    assert AF.explain_additive(*(t.bfloat16() for t in base)).path == "triton"
+    exact, control = grads(textbook, F64), grads(textbook, torch.bfloat16)
+    got = grads(AF.additive_attention, torch.bfloat16)
+    for name, e, c, a in zip(NAMES, exact, control, got, strict=False):
+        err, bound = (a.double() - e).abs().max().item(), 2 * (c.double() - e).abs().max().item()
+        assert err <= bound, (name, err, bound)

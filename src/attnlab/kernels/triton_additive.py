@@ -186,8 +186,12 @@ def _visible(
 
     MASK: 0 none, 1 bool (stored as uint8, nonzero = may attend), 2 float (added).
     CAUSAL: key j is visible to row i iff j <= i + offset (0 top-left, S - L bottom-right).
+    A NaN or +inf score stays where the mask forbids its key, as under a -inf bias (NaN + -inf
+    and inf - inf are NaN): its row is NaN, not dead (a NaN in W_q, W_k or w reaches every
+    score), as on the chunked path.
     """
-    ok = (rows[:, None] < L) & (cols[None, :] < S)
+    inside = (rows[:, None] < L) & (cols[None, :] < S)
+    ok = inside
     if CAUSAL:
         ok = ok & (cols[None, :] <= rows[:, None] + offset)
     if MASK != 0:
@@ -196,7 +200,7 @@ def _visible(
             ok = ok & (m != 0)
         else:
             s = s + m.to(tl.float32)
-    return tl.where(ok, s, float("-inf"))
+    return tl.where(ok | (inside & ((s != s) | (s == float("inf")))), s, float("-inf"))
 
 
 @triton.jit
@@ -237,8 +241,8 @@ def _fwd_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, WIDEN)
         m_i = m_new
 
-    alive = l_i > 0  # dead rows (no attendable key): output 0, lse = +inf
-    l_safe = tl.where(alive, l_i, 1.0)
+    alive = (l_i > 0) | (l_i != l_i)  # dead rows (no attendable key): output 0, lse = +inf;
+    l_safe = tl.where(alive, l_i, 1.0)  # a NaN row stays NaN (lse too: its gradients are NaN)
     out = acc / l_safe[:, None]
     row_ok = rows < L
     o_ptrs = O + n * L * DV + rows[:, None] * DV + dv[None, :]
@@ -350,7 +354,10 @@ class _AdditiveAttention(torch.autograd.Function):
         bt = (b * TWO_LOG2E).transpose(1, 2).contiguous()  # (N, S, A) -> (N, A, S)
         w = w.contiguous()
         kind, m, m_strides = _mask_args(mask, a.device)
-        out = value.new_empty(N, L, DV)
+        # the output in float32, kept for the backward: its row term delta = rowsum(dO * O)
+        # from a bf16-rounded output biased every dS, and the tanh chain summed that bias
+        # over A (gradients of a, b, w 3-10x worse than the naive bf16 formula)
+        out = value.new_empty(N, L, DV, dtype=torch.float32)
         lse = a.new_empty(N, L)
         meta = dict(MASK=kind, CAUSAL=alignment is not None, **products(value.dtype))
         blk = tiling.forward
@@ -365,7 +372,7 @@ class _AdditiveAttention(torch.autograd.Function):
         ctx.save_for_backward(at, bt, w, value, m, out, lse)
         ctx.meta, ctx.tiling = meta, tiling
         ctx.m_strides, ctx.offset = m_strides, _offset(alignment, L, S)
-        return out
+        return out.to(value.dtype)
 
     @staticmethod
     @once_differentiable
