@@ -10,8 +10,8 @@
 #   bash benchmarks/gpu_figures.sh 2   # additive kernel and its tilings (issue 9, item 3)
 #   bash benchmarks/gpu_figures.sh 3   # decoding vs Hugging Face, issue 11's setup; DecodeStep
 #   bash benchmarks/gpu_figures.sh 4   # decoding at batch 1 and a 2,048-token prompt; beam
-#   bash benchmarks/gpu_figures.sh 0   # one call for a single lease: the check, then the
-#                                      # headline rows of 1, 2 and 3, padding last
+#   bash benchmarks/gpu_figures.sh 0   # one call for a single lease: the check, then what
+#                                      # changed since the last figures (1 and 2's rows)
 #
 # In order of need: 1 first (gpu_check.py must pass before any timing means anything), then 3
 # and 2; 4 when device time is left. A lease of one call (15 minutes of device time, a start
@@ -42,14 +42,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm 
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
       "triton", triton.__version__, "transformers", t.__version__)' 2>&1 | tee "$logs/versions.log"
 case "${1:-}" in
-0)
-    STEP_LIMIT=170 run gpu_check "$py" benchmarks/gpu_check.py
-    STEP_LIMIT=55 run bench_gpu_weights "$py" benchmarks/bench_gpu.py --only weights
-    STEP_LIMIT=35 run bench_gpu_overhead "$py" benchmarks/bench_gpu.py --only overhead
-    STEP_LIMIT=55 run bench_gpu_additive "$py" benchmarks/bench_gpu_additive.py
-    STEP_LIMIT=230 run bench_decode "$py" benchmarks/bench_decode.py --config issue --batch 4 \
-        --prompt 128 --attention --rounds 3
-    run bench_gpu_padding "$py" benchmarks/bench_gpu.py --only padding  # (prints as it goes)
+0)  # (the first lease, 2026-11-26, took decoding's figures: benchmarks/results/; this takes
+    # what changed since: the weights kernels and their tiles, the NaN check, the padding route)
+    STEP_LIMIT=150 run gpu_check "$py" benchmarks/gpu_check.py
+    STEP_LIMIT=150 run bench_gpu_weights "$py" benchmarks/bench_gpu.py --only weights --sweep
+    STEP_LIMIT=40 run bench_gpu_overhead "$py" benchmarks/bench_gpu.py --only overhead
+    STEP_LIMIT=120 run bench_gpu_padding "$py" benchmarks/bench_gpu.py --only padding
+    run bench_gpu_additive "$py" benchmarks/bench_gpu_additive.py --sweep  # (as it goes)
     ;;
 1)
     run gpu_check "$py" benchmarks/gpu_check.py
