@@ -220,25 +220,16 @@ def _weights_kernel(
     sqb, sqh, sql, sqe, skb, skh, sks, ske, smb, smh, sml, sms, srb, srl,
     H, G, L, S, E, scale, offset, band_lo, band_hi,
     BAND: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
-    AVERAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    """One (BLOCK_M, BLOCK_N) tile of weights: of head h, or averaged over the H heads (the
-    per-head weights take :func:`_head_weights_kernel`)."""
+    """One (BLOCK_M, BLOCK_N) tile of the weights averaged over the H heads of batch row b
+    (the per-head weights take :func:`_head_weights_kernel`)."""
     blocks_m, blocks_n = tl.cdiv(L, BLOCK_M), tl.cdiv(S, BLOCK_N)
-    pid_mn, bh = _program(blocks_m * blocks_n)  # bh = b * H + h, or b when AVERAGE; int64
+    pid_mn, b = _program(blocks_m * blocks_n)  # b int64
     pid_m, pid_n = pid_mn % blocks_m, pid_mn // blocks_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_e = tl.arange(0, BLOCK_E)
-    if AVERAGE:
-        b = bh
-        h0 = 0
-        heads = H
-    else:
-        b = bh // H
-        h0 = bh % H
-        heads = 1
     r_lo, r_hi = _rows(KSTART, KEND, srb, srl, b, offs_m, L, S, HAS_RANGE)
     last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, L) - 1
     lo, hi = _span(r_lo, r_hi, pid_m * BLOCK_M, last, offset, band_lo, band_hi, BAND)
@@ -246,7 +237,7 @@ def _weights_kernel(
     # is exp(-inf - lse): 0, or NaN in a row whose lse the NaN rule made NaN; no scores needed
     seen = (pid_n * BLOCK_N < hi) & (pid_n * BLOCK_N + BLOCK_N > lo)
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for hh in range(h0, h0 + heads):
+    for hh in range(0, H):
         h = tl.cast(hh, tl.int64)  # int64 base offsets
         lse = tl.load(LSE + (b * H + h) * L + offs_m, mask=offs_m < L, other=float("inf"))
         if seen:
@@ -259,11 +250,9 @@ def _weights_kernel(
             total += tl.exp(s - lse[:, None])  # -inf - lse and s - inf both give exp(-inf) = 0
         else:
             total += tl.where(lse == lse, 0.0, float("nan"))[:, None]
-    if AVERAGE:
-        total = total / H
     tl.store(
-        W + bh * L * S + offs_m[:, None] * S + offs_n[None, :],
-        total.to(W.dtype.element_ty),
+        W + b * L * S + offs_m[:, None] * S + offs_n[None, :],
+        (total / H).to(W.dtype.element_ty),
         mask=(offs_m[:, None] < L) & (offs_n[None, :] < S),
     )
 
@@ -489,7 +478,7 @@ def attention_weights(
     with _triton.on_device(q):
         if average:  # a program per (rows, keys) tile sums the H heads
             grid = (triton.cdiv(L, BM) * triton.cdiv(S, BN) * B,)
-            _weights_kernel[grid](*args, AVERAGE=True, **consts)
+            _weights_kernel[grid](*args, **consts)
         else:  # a program per (rows, head) walks the key blocks
             _head_weights_kernel[(triton.cdiv(L, BM) * B * H,)](*args, **consts)
     return out
