@@ -67,6 +67,16 @@ def qkv(B=2, H=4, Hkv=2, L=5, S=7, E=8, Ev=8, dtype=torch.float32, seed=0):
     )
 
 
+def copy_of_run(run_dir, tmp_path):
+    """A copy of a trained run folder, for a test that changes or damages it (the module's
+    trained run stays as it was for the next test)."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out)
+    return out
+
+
 def run_command(module, argv: list[str]) -> int:
     """Parse and run one command module (``attnlab.translate.cmd_*``) the way ``attnlab.cli``
     does."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from attnlab import cli  # noqa: E402
 from attnlab.translate import checkpoint as ckpt  # noqa: E402
 from attnlab.translate.run import load_run  # noqa: E402
 from attnlab.translate.tokenizer import Tokenizer  # noqa: E402
+from conftest import copy_of_run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,9 +45,7 @@ def good_run(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def run_copy(good_run, tmp_path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(good_run, out)
-    return out
+    return copy_of_run(good_run, tmp_path)
 
 
 def checkpoint_of(run_dir: Path) -> Path:

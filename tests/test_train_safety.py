@@ -22,6 +22,7 @@ pytest.importorskip("sacrebleu")
 
 from attnlab import cli  # noqa: E402
 from attnlab.translate import checkpoint as ckpt  # noqa: E402
+from conftest import copy_of_run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,9 +66,7 @@ def tsv_run(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def run_copy(tsv_run, tmp_path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(tsv_run, out)
-    return out
+    return copy_of_run(tsv_run, tmp_path)
 
 
 # ------------------------------------------------------------------------------ 1. resume
