@@ -280,6 +280,8 @@ def test_sliding_window_as_a_band_equals_the_window_mask(alignment, causal):
     out, w = attnlab.scaled_dot_product_attention(q, k, v, m, return_weights="average")
     ref_out, ref_w = oracle(q, k, v, m.as_subclass(torch.Tensor), None)
     assert err(out, ref_out) < 2e-6 and err(w, ref_w.mean(1)) < 1e-6
+    _, w = attnlab.scaled_dot_product_attention(q, k, v, m, return_weights=True)  # per head
+    assert err(w, ref_w) < 1e-6
     # with is_causal as well: the two bands intersect
     out = attnlab.scaled_dot_product_attention(q, k, v, m, is_causal=alignment)
     both = m.as_subclass(torch.Tensor) & masks.causal_keep(L, S, alignment, "cpu")

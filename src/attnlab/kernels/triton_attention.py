@@ -237,10 +237,12 @@ def _weights_kernel(
     # is exp(-inf - lse): 0, or NaN in a row whose lse the NaN rule made NaN; no scores needed
     seen = (pid_n * BLOCK_N < hi) & (pid_n * BLOCK_N + BLOCK_N > lo)
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for hh in range(0, H):
-        h = tl.cast(hh, tl.int64)  # int64 base offsets
-        lse = tl.load(LSE + (b * H + h) * L + offs_m, mask=offs_m < L, other=float("inf"))
-        if seen:
+    # the condition stands outside the loops over heads: a loop free of branches is one Triton
+    # can pipeline (the next head's q and k tiles load while this head's scores are computed)
+    if seen:
+        for hh in range(0, H):
+            h = tl.cast(hh, tl.int64)  # int64 base offsets
+            lse = tl.load(LSE + (b * H + h) * L + offs_m, mask=offs_m < L, other=float("inf"))
             q = _tile(Q, b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, E)
             s = _scores(q, K, b * skb + (h // G) * skh, offs_n, offs_e, ske, sks, S, E, DOT)
             s = _allowed(
@@ -248,7 +250,10 @@ def _weights_kernel(
                 band_lo, band_hi, BAND, MASK,
             )  # fmt: skip
             total += tl.exp(s - lse[:, None])  # -inf - lse and s - inf both give exp(-inf) = 0
-        else:
+    else:
+        for hh in range(0, H):
+            h = tl.cast(hh, tl.int64)
+            lse = tl.load(LSE + (b * H + h) * L + offs_m, mask=offs_m < L, other=float("inf"))
             total += tl.where(lse == lse, 0.0, float("nan"))[:, None]
     tl.store(
         W + b * L * S + offs_m[:, None] * S + offs_n[None, :],
@@ -283,19 +288,31 @@ def _head_weights_kernel(
         [BLOCK_M, BLOCK_N], tl.float32
     )
     rows_ok = offs_m[:, None] < L
-    for start in range(0, S, BLOCK_N):
+    w_base = W + bh * L * S + offs_m[:, None] * S
+    # three loops, each free of branches so that Triton can pipeline it: the key blocks before
+    # the span, those in it (scores), those after it
+    first = (tl.minimum(lo, S) // BLOCK_N) * BLOCK_N
+    after = tl.maximum(first, tl.cdiv(tl.maximum(hi, 0), BLOCK_N) * BLOCK_N)
+    for start in range(0, first, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        w = unseen
-        if (start < hi) & (start + BLOCK_N > lo):
-            s = _scores(q, K, b * skb + (h // G) * skh, offs_n, offs_e, ske, sks, S, E, DOT)
-            s = _allowed(
-                s * scale, M, b * smb + h * smh, offs_m, offs_n, sml, sms, r_lo, r_hi, offset,
-                band_lo, band_hi, BAND, MASK,
-            )  # fmt: skip
-            w = tl.exp(s - lse[:, None])
+        tl.store(w_base + offs_n[None, :], unseen.to(W.dtype.element_ty), mask=rows_ok)
+    for start in range(first, after, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        s = _scores(q, K, b * skb + (h // G) * skh, offs_n, offs_e, ske, sks, S, E, DOT)
+        s = _allowed(
+            s * scale, M, b * smb + h * smh, offs_m, offs_n, sml, sms, r_lo, r_hi, offset,
+            band_lo, band_hi, BAND, MASK,
+        )  # fmt: skip
         tl.store(
-            W + bh * L * S + offs_m[:, None] * S + offs_n[None, :],
-            w.to(W.dtype.element_ty),
+            w_base + offs_n[None, :],
+            tl.exp(s - lse[:, None]).to(W.dtype.element_ty),
+            mask=rows_ok & (offs_n[None, :] < S),
+        )
+    for start in range(after, S, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        tl.store(
+            w_base + offs_n[None, :],
+            unseen.to(W.dtype.element_ty),
             mask=rows_ok & (offs_n[None, :] < S),
         )
 
