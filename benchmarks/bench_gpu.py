@@ -3,6 +3,7 @@
     python benchmarks/bench_gpu.py                 # on a CUDA machine (an H100 for the targets)
     python benchmarks/bench_gpu.py --only weights  # weights | padding | overhead | additive
     python benchmarks/bench_gpu.py --only weights --sweep   # also other weights-kernel tiles
+    python benchmarks/bench_gpu.py --only padding --sweep   # also other forward/backward tiles
     TRITON_INTERPRET=1 python benchmarks/bench_gpu.py --smoke   # tiny shapes, CPU interpreter:
                                                    # checks the script, times mean nothing
 
@@ -145,49 +146,56 @@ def bench_weights(args) -> None:
             f" (<= 1.3; fresh tensor x{t['attnlab weights per head'] / bound:.2f})"
         )
         if args.sweep:
-            sweep_weight_tiles(args, q, k, v, is_causal, buf, fused)
-
-
-# Weights-kernel tiles to time (rows x keys x warps x stages): each program recomputes one tile
-# of scores per head, reading a (rows, E) query block for every key block, so wider key blocks
-# read Q fewer times; compiled for sm_90 the 128 x 32 tiles use ~60-80 registers of 255.
-WEIGHT_TILES = [(128, 32, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-                (64, 128, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3), (256, 64, 8, 2)]  # fmt: skip
-
-
-def sweep_weight_tiles(args, q, k, v, is_causal, buf, fused) -> None:
-    """The weights calls again with each tile of :data:`WEIGHT_TILES` for the weights kernel
-    (the forward's kept), as ratios to the fused call measured above."""
-    from attnlab.kernels import triton_attention as ta
-
-    key = (q.dtype != torch.float32, 64 if q.shape[-1] <= 64 else q.shape[-1])
-    kept = ta.TILES["weights"].get(key)
-    print(f"  -- weights-kernel tiles (rows x keys x warps x stages); now {kept}")
-    try:
-        for tile in WEIGHT_TILES:
-            ta.TILES["weights"][key] = tile
             with torch.no_grad():
-                cases = {
-                    "average": lambda: attnlab.scaled_dot_product_attention(
+                sweep_tiles(args, "weights", q, {
+                    "averaged": lambda: attnlab.scaled_dot_product_attention(
                         q, k, v, is_causal=is_causal, return_weights="average"
                     ),
                     "per head": lambda: attnlab.scaled_dot_product_attention(
                         q, k, v, is_causal=is_causal, return_weights=True, weights_out=buf
                     ),
-                }
-                try:
-                    t = round_robin(cases, args.device, args.rounds)
-                except Exception as e:  # a tile that does not compile or fit: say so, go on
-                    print(f"  {tile}: failed ({type(e).__name__}: {e})"[:160])
-                    continue
+                }, fused, "fused")  # fmt: skip
+
+
+# Tiles to time per kernel (rows x keys x warps x stages), TILES in
+# attnlab.kernels.triton_attention. The weights: each program recomputes one tile of scores
+# per head, reading a (rows, E) query block for every key block, so wider key blocks read Q
+# fewer times; compiled for sm_90 the 128 x 32 tiles use ~60-80 registers of 255. The forward
+# and the backward: 128 x 64 x 8 x 3 compiles for sm_90 without spills (Triton 3.6 and 3.9,
+# 200-255 registers at E = 128), the tutorial's Hopper tile; the others are smaller.
+SWEPT_TILES = {
+    "weights": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+                (64, 128, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3), (256, 64, 8, 2)],
+    "forward": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3),
+                (64, 32, 4, 3)],
+    "backward": [(64, 32, 4, 2), (64, 16, 4, 2), (32, 32, 4, 2), (64, 64, 4, 2),
+                 (64, 64, 8, 2), (128, 32, 8, 2)],
+}  # fmt: skip
+
+
+def sweep_tiles(args, kernel: str, q, cases: dict, ref: float, ref_name: str) -> None:
+    """``cases`` timed again with each tile of :data:`SWEPT_TILES` for one kernel (the others
+    kept), as ratios to ``ref`` measured above."""
+    from attnlab.kernels import triton_attention as ta
+
+    key = (q.dtype != torch.float32, 64 if q.shape[-1] <= 64 else q.shape[-1])
+    kept = ta.TILES[kernel].get(key)
+    print(f"  -- {kernel}-kernel tiles (rows x keys x warps x stages); now {kept}")
+    try:
+        for tile in SWEPT_TILES[kernel]:
+            ta.TILES[kernel][key] = tile
+            try:
+                t = round_robin(cases, args.device, args.rounds)
+            except Exception as e:  # a tile that does not compile or fit: say so, go on
+                print(f"  {tile}: failed ({type(e).__name__}: {e})"[:160])
+                continue
             mark = "  <- TILES now" if tile == kept else ""
-            avg, each = t["average"], t["per head"]
-            print(
-                f"  {str(tile):<18} averaged {avg * 1e3:8.3f} ms (x{avg / fused:5.2f})"
-                f"  per head {each * 1e3:8.3f} ms (x{each / fused:5.2f}){mark}"
+            times = "  ".join(
+                f"{name} {s * 1e3:8.3f} ms (x{s / ref:5.2f} of {ref_name})" for name, s in t.items()
             )
+            print(f"  {str(tile):<18} {times}{mark}")
     finally:
-        ta.TILES["weights"][key] = kept
+        ta.TILES[kernel][key] = kept
 
 
 _FLEX = {}  # one compiled flex_attention for every shape (static shapes, no automatic dynamic)
@@ -280,6 +288,11 @@ def bench_padding(args) -> None:
                     row(name, s, peer)
                 if why:
                     print("  " + why)
+                if args.sweep:
+                    kernels = {"attnlab's Triton kernels": cases["attnlab's Triton kernels"]}
+                    sweep_tiles(args, "forward", q, kernels, peer, "the peer")
+                    if train:
+                        sweep_tiles(args, "backward", q, kernels, peer, "the peer")
 
 
 def _on_kernels(q, k, v, pad, is_causal):
@@ -348,7 +361,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
-    p.add_argument("--sweep", action="store_true", help="also time other weights-kernel tiles")
+    p.add_argument("--sweep", action="store_true", help="also time other kernel tiles")
     args = p.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
     if not pick_device(args, "bench_gpu"):

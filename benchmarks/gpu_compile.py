@@ -255,7 +255,7 @@ def main(argv=None, cases=None) -> int:
         if r.shared > limit:
             flag = "  <- more shared memory than the target has"
             failures.append(f"{r.kernel} {r.config}: {r.shared:,} B of shared memory > {limit:,}")
-        elif r.spilled and args.arch == TUNED_FOR and r.tiles.startswith(timed.get(r.kernel, "")):
+        elif r.spilled and args.arch == TUNED_FOR and r.tiles.startswith(timed.get(r.kernel, "-")):
             flag = "  (spills; timed faster than the tiles that do not: SPILLS_TIMED)"
         elif r.spilled and args.arch == TUNED_FOR:
             flag = "  <- spills registers to local memory"

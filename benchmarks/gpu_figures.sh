@@ -6,7 +6,7 @@
 # tool's folder that comes back) or ./gpu-logs, one per step, written as the step runs.
 #
 #   bash benchmarks/gpu_figures.sh 1   # kernels' results vs float64, then bench_gpu.py (issue 9),
-#                                      # with the weights kernel's tiles swept
+#                                      # with the kernels' tiles swept
 #   bash benchmarks/gpu_figures.sh 2   # additive kernel and its tilings (issue 9, item 3)
 #   bash benchmarks/gpu_figures.sh 3   # decoding vs Hugging Face, issue 11's setup; DecodeStep
 #   bash benchmarks/gpu_figures.sh 4   # decoding at batch 1 and a 2,048-token prompt; beam
@@ -42,19 +42,20 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm 
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
       "triton", triton.__version__, "transformers", t.__version__)' 2>&1 | tee "$logs/versions.log"
 case "${1:-}" in
-0)  # (the first lease, 2026-11-26, took decoding's figures: benchmarks/results/; this takes
-    # what changed since: the weights kernels and their tiles, the NaN check, the padding route)
+0)  # (the leases of 2026-11-26 took the figures in benchmarks/results/; this takes what changed
+    # since: the weights kernels' pipelined loops, the forward's and backward's unmasked
+    # interior blocks with their tiles swept, the additive backward's new tiles)
     STEP_LIMIT=150 run gpu_check "$py" benchmarks/gpu_check.py
     STEP_LIMIT=150 run bench_gpu_weights "$py" benchmarks/bench_gpu.py --only weights --sweep
+    STEP_LIMIT=240 run bench_gpu_padding "$py" benchmarks/bench_gpu.py --only padding --sweep
     STEP_LIMIT=40 run bench_gpu_overhead "$py" benchmarks/bench_gpu.py --only overhead
-    STEP_LIMIT=120 run bench_gpu_padding "$py" benchmarks/bench_gpu.py --only padding
-    run bench_gpu_additive "$py" benchmarks/bench_gpu_additive.py --sweep  # (as it goes)
+    run bench_gpu_additive "$py" benchmarks/bench_gpu_additive.py  # (as it goes)
     ;;
 1)
     run gpu_check "$py" benchmarks/gpu_check.py
     STEP_LIMIT=150 run bench_gpu_weights "$py" benchmarks/bench_gpu.py --only weights --sweep
     run bench_gpu_overhead "$py" benchmarks/bench_gpu.py --only overhead
-    run bench_gpu_padding "$py" benchmarks/bench_gpu.py --only padding  # (prints as it goes)
+    run bench_gpu_padding "$py" benchmarks/bench_gpu.py --only padding --sweep  # (as it goes)
     ;;
 2)
     run bench_gpu_additive "$py" benchmarks/bench_gpu_additive.py --sweep

@@ -110,6 +110,21 @@ def test_gradients_with_packed_documents_and_a_window():
     check(q, k, v, None, None, None, torch.float32, 5e-6, band=window.band)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_wide_windows_whose_middle_holds_whole_tiles(alignment, causal):
+    """A band wider than the tiles: tiles in its middle are seen whole by every row and run
+    without a mask (the kernels' interior loops), those on its edges with it."""
+    q, k, v = inputs(1, 2, 1, 150, 170, 16, 16, seed=3)
+    m = masks.sliding_window_mask(150, 170, window=70, alignment=alignment, causal=causal)
+    check(q, k, v, None, None, None, torch.float32, 5e-6, band=m.band)
+    check(q, k, v, None, alignment, None, torch.float32, 5e-6, band=m.band)  # and causal
+    out, lse = ta.attention_forward(q.float(), k.float(), v.float(), band=m.band)
+    ref, ref_lse, _ = ta.reference(q, k, v, m.as_subclass(torch.Tensor))
+    assert (out.double() - ref).abs().max() < 1e-5
+    assert (lse.double() - ref_lse).abs().max() < 1e-5
+
+
 def test_saturated_rows_keep_their_small_bf16_gradients():
     """A row whose softmax puts nearly all its weight on one key has tiny dQ and dK: the row
     term delta = rowsum(dO * O) must cancel dP almost exactly. From the bf16-rounded output it

@@ -12,11 +12,13 @@ Pass 1 (:func:`attention_forward`) is the flash-attention forward (Dao et al. 20
 fused-attention tutorial): one program per (BLOCK_M query rows, b, h) walks the key blocks
 with an online softmax (running max ``m``, running sum ``l``, rescaled accumulator), so no
 (L, S) tile is ever stored. Key blocks that no row of the program may see are never visited:
-outside the rows' key ranges and outside the band (below). Pass 2 (:func:`attention_weights`)
-recomputes ``s`` tile by tile and writes
-``exp(s - lse)``: per head (B, H, L, S), one program per (BLOCK_M rows, b, h) walking the key
-blocks with its query block held, as the forward; or averaged over heads (B, L, S), one
-program per (rows, keys) tile summing the H heads, so the per-head tensor never exists. A
+outside the rows' key ranges and outside the band (below); key blocks that every row sees whole
+(the middle of a band, keys inside every row's range) are walked by a loop that computes no
+mask, as FlashAttention splits the causal diagonal from the blocks below it. Pass 2
+(:func:`attention_weights`) recomputes ``s`` tile by tile and writes ``exp(s - lse)``: per
+head (B, H, L, S), one program per (BLOCK_M rows, b, h) walking the key blocks with its query
+block held, as the forward; or averaged over heads (B, L, S), one program per (rows, keys)
+tile summing the H heads, so the per-head tensor never exists. A
 tile that no row of it may see (the far side of the causal triangle, padding, off a band) is
 written without computing a score: zeros (NaN in a row the NaN rule made NaN).
 
@@ -131,6 +133,29 @@ def _span(r_lo, r_hi, first, last, offset, band_lo, band_hi, BAND: tl.constexpr)
 
 
 @triton.jit
+def _interior(lo, hi, r_lo, r_hi, offs_m, L, first, last, offset, band_lo, band_hi,
+              BAND: tl.constexpr, MASK: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """(begin, in_lo, in_hi): the key blocks a tile visits run from ``begin`` (a block start) up
+    to ``hi``; those of [in_lo, in_hi) lie whole in the keys that *every* row of the tile may
+    see, so they need no mask (FlashAttention's causal split, for key ranges and bands too): a
+    loop over them computes none. Empty (in_lo = in_hi = begin) with a mask tensor, which is
+    read in every block."""
+    begin = (lo // BLOCK_N) * BLOCK_N
+    real = offs_m < L  # rows past L see no key: they must not narrow the keys all rows see
+    f_lo = tl.max(tl.where(real, r_lo, 0), 0)
+    f_hi = tl.min(tl.where(real, r_hi, hi), 0)
+    if BAND:
+        f_lo = tl.maximum(f_lo, last + offset + band_lo)
+        f_hi = tl.minimum(f_hi, first + offset + band_hi + 1)
+    in_lo = tl.maximum(tl.cdiv(tl.maximum(f_lo, 0), BLOCK_N) * BLOCK_N, begin)
+    in_hi = (tl.maximum(f_hi, 0) // BLOCK_N) * BLOCK_N
+    if MASK != 0:
+        in_hi = in_lo
+    empty = in_hi <= in_lo
+    return begin, tl.where(empty, begin, in_lo), tl.where(empty, begin, in_hi)
+
+
+@triton.jit
 def _allowed(
     s, M, m_base, offs_m, offs_n, sml, sms, r_lo, r_hi, offset, band_lo, band_hi,
     BAND: tl.constexpr, MASK: tl.constexpr,
@@ -153,6 +178,38 @@ def _allowed(
         bias = tl.load(M + m_base + offs_m[:, None] * sml + n * sms, mask=ok, other=0.0)
         s = s + bias.to(tl.float32)
     return tl.where(ok, s, float("-inf"))
+
+
+@triton.jit
+def _forward_blocks(
+    acc, m_i, l_i, q, K, V, M, k_base, v_base, m_base, offs_m, offs_e, offs_ev, begin, end,
+    ske, sks, svs, sve, sml, sms, r_lo, r_hi, S, E, EV, scale, offset, band_lo, band_hi,
+    BAND: tl.constexpr, MASK: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    """The online softmax over the key blocks [begin, end): running max ``m_i``, running sum
+    ``l_i``, accumulator ``acc``; MASKED False for blocks every row sees whole (no mask)."""
+    for start in range(begin, end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        s = _scores(q, K, k_base, offs_n, offs_e, ske, sks, S, E, DOT) * scale
+        if MASKED:
+            s = _allowed(
+                s, M, m_base, offs_m, offs_n, sml, sms, r_lo, r_hi, offset, band_lo, band_hi,
+                BAND, MASK,
+            )  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + v_base + offs_n[:, None] * svs + offs_ev[None, :] * sve,
+            mask=(offs_n[:, None] < S) & (offs_ev[None, :] < EV),
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_EV)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -182,25 +239,18 @@ def _forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp(s - m)
     acc = tl.zeros([BLOCK_M, BLOCK_EV], tl.float32)
-    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        s = _scores(q, K, k_base, offs_n, offs_e, ske, sks, S, E, DOT) * scale
-        s = _allowed(
-            s, M, m_base, offs_m, offs_n, sml, sms, r_lo, r_hi, offset, band_lo, band_hi, BAND,
-            MASK,
+    begin, in_lo, in_hi = _interior(
+        lo, hi, r_lo, r_hi, offs_m, L, pid_m * BLOCK_M, last, offset, band_lo, band_hi, BAND,
+        MASK, BLOCK_N,
+    )  # fmt: skip
+    for part in tl.static_range(3):  # the masked blocks before the interior, it, those after
+        acc, m_i, l_i = _forward_blocks(
+            acc, m_i, l_i, q, K, V, M, k_base, v_base, m_base, offs_m, offs_e, offs_ev,
+            begin if part == 0 else (in_lo if part == 1 else in_hi),
+            in_lo if part == 0 else (in_hi if part == 1 else hi),
+            ske, sks, svs, sve, sml, sms, r_lo, r_hi, S, E, EV, scale, offset, band_lo, band_hi,
+            BAND, MASK, DOT, BLOCK_N, part != 1,
         )  # fmt: skip
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + v_base + offs_n[:, None] * svs + offs_ev[None, :] * sve,
-            mask=(offs_n[:, None] < S) & (offs_ev[None, :] < EV),
-            other=0.0,
-        )  # (BLOCK_N, BLOCK_EV)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
-        m_i = m_new
 
     alive = (l_i > 0) | (l_i != l_i)  # a row with a key, or NaN (a NaN or +inf bias): not dead
     out = tl.where(alive[:, None], acc / tl.where(alive, l_i, 1.0)[:, None], 0.0)
@@ -333,10 +383,12 @@ def _dot_mode(dtype: torch.dtype) -> int:
 # all and fails on a spill. Triton 3.6 (torch 2.11's, on the H200 that gave the first figures)
 # spilled where 3.9 did not with float32 at E = 128 (forward 16 x 64: ~330 B; decode 4 warps:
 # 312 B) and for the weights at E = 64: those take tiles that spill in neither. With 3.6 some
-# still spill: the 16-bit dK/dV kernel at E = 128 with a mask, ranges and a band (32-40 B;
-# 32 x 32 tiles would not, at half the rows), float32 dK/dV and dQ at E = 64 (16-24 B) and
-# float32 decode at E = 256 (~2 KB): to be settled by timing (benchmarks/bench_gpu.py) under
-# the Triton the GPU machine has.
+# still spill: the 16-bit dK/dV kernel at E = 128 (12-52 B; 64 x 16 tiles would not, at half
+# the keys) and float32 decode at E = 256 (~2 KB): to be settled by timing
+# (benchmarks/bench_gpu.py --only padding --sweep) under the Triton the GPU machine has. The
+# backward's unmasked interior loops (one more loop per kernel) made float32 dK/dV spill at its
+# former tiles (32 x 32 at E = 64, 24 B; 16 x 32 with 2 stages at E = 128, ~600 B): float32
+# takes backward tiles that spill in neither Triton.
 TILES = {
     "forward": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3),
                 (True, 256): (64, 32, 8, 2), (False, 64): (32, 32, 8, 2),
@@ -345,8 +397,8 @@ TILES = {
                 (True, 256): (128, 32, 8, 1), (False, 64): (32, 64, 8, 1),
                 (False, 128): (32, 32, 8, 2), (False, 256): (32, 32, 8, 2)},
     "backward": {(True, 64): (64, 32, 4, 2), (True, 128): (64, 32, 4, 2),
-                 (True, 256): (16, 32, 8, 2), (False, 64): (32, 32, 8, 2),
-                 (False, 128): (16, 32, 8, 2), (False, 256): (32, 16, 8, 1)},
+                 (True, 256): (16, 32, 8, 2), (False, 64): (16, 16, 4, 1),
+                 (False, 128): (16, 32, 8, 1), (False, 256): (32, 16, 8, 1)},
     "decode": {(True, 64): (0, 64, 4, 2), (True, 128): (0, 32, 4, 2), (False, 64): (0, 32, 4, 2),
                (False, 128): (0, 32, 8, 2)},
 }  # fmt: skip

@@ -21,7 +21,9 @@ Two kernels, so that no two programs add into the same memory (no atomics):
 
 Key blocks outside the rows' key ranges and outside the band (causal, sliding window) are
 skipped in the dQ kernel; the dK/dV kernel visits only the query blocks the band allows and
-whose ranges reach its keys. Rows with no attendable key have ``lse = +inf``: ``p = 0``.
+whose ranges reach its keys. Blocks seen whole by every row of the other side (the middle of a
+band; inside ranges shared by a batch row's queries) take a loop that computes no mask and has
+no branch, so Triton pipelines it. Rows with no attendable key have ``lse = +inf``: ``p = 0``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from attnlab.kernels.triton_attention import (
     _blocks,
     _dot,
     _dot_mode,
+    _interior,
     _mask_args,
     _program,
     _range_args,
@@ -45,6 +48,52 @@ from attnlab.kernels.triton_attention import (
     attention_forward,
     band_args,
 )
+
+
+@triton.jit
+def _dkdv_blocks(
+    dk, dv, k, v, Q, M, KSTART, KEND, DO, LSE, DELTA, b, h, H, offs_n, offs_e, offs_ev, begin,
+    end, n0, sqb, sqh, sql, sqe, smb, smh, sml, sms, srb, srl, L, S, E, EV, scale, offset,
+    band_lo, band_hi, BAND: tl.constexpr, MASK: tl.constexpr, HAS_RANGE: tl.constexpr,
+    DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """dK's and dV's sums over query head h's row blocks [begin, end) for one key block;
+    MASKED False for row blocks whose every row sees the whole key block (no mask, no skip
+    test: a loop free of branches, which Triton pipelines)."""
+    row0 = (b * H + h) * L  # this head's first row, int64
+    for start in range(begin, end, BLOCK_M):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < L
+        go = True
+        if MASKED:
+            r_lo, r_hi = _rows(KSTART, KEND, srb, srl, b, offs_m, L, S, HAS_RANGE)
+            # a query block whose key ranges miss these keys (padding) adds nothing: skip it
+            go = (tl.min(r_lo, 0) < n0 + BLOCK_N) & (tl.max(r_hi, 0) > n0)
+        if go:
+            q = tl.load(
+                Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
+                mask=row_ok[:, None] & (offs_e[None, :] < E),
+                other=0.0,
+            )  # (BLOCK_M, BLOCK_E)
+            s = _dot(q, tl.trans(k), DOT) * scale  # (BLOCK_M, BLOCK_N)
+            if MASKED:
+                s = _allowed(
+                    s, M, b * smb + h * smh, offs_m, offs_n, sml, sms, r_lo, r_hi, offset,
+                    band_lo, band_hi, BAND, MASK,
+                )  # fmt: skip
+            lse = tl.load(LSE + row0 + offs_m, mask=row_ok, other=float("inf"))
+            delta = tl.load(DELTA + row0 + offs_m, mask=row_ok, other=0.0)
+            p = tl.exp(s - lse[:, None])  # (BLOCK_M, BLOCK_N), 0 where masked or dead
+            do = tl.load(
+                DO + row0 * EV + offs_m[:, None] * EV + offs_ev[None, :],
+                mask=row_ok[:, None] & (offs_ev[None, :] < EV),
+                other=0.0,
+            )  # (BLOCK_M, BLOCK_EV): dO is made contiguous by the launcher
+            dv += _dot(tl.trans(p.to(do.dtype)), do, DOT)
+            dp = _dot(do, tl.trans(v), DOT)  # (BLOCK_M, BLOCK_N)
+            ds = p * (dp - delta[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT)
+    return dk, dv
 
 
 @triton.jit
@@ -80,41 +129,71 @@ def _dkdv_kernel(
     if BAND:  # rows i that may see a key of [n0, n0 + BLOCK_N): n0 - hi <= i + offset
         first = tl.maximum(n0 - offset - band_hi, 0) // BLOCK_M * BLOCK_M
         end = tl.minimum(n0 + BLOCK_N - 1 - offset - band_lo + 1, L)
+    # the query blocks whose every row may see every key of this block need no mask: those of
+    # the band's middle, unless ranges differ by row (packed documents) or a mask tensor is read
+    n_last = tl.minimum(n0 + BLOCK_N, S) - 1
+    in_first = first
+    in_end = end
+    if BAND:  # rows i with i + offset + band_lo <= n0 and n_last <= i + offset + band_hi
+        in_first = tl.maximum(tl.cdiv(tl.maximum(n_last - offset - band_hi, 0), BLOCK_M) * BLOCK_M,
+                              first)  # fmt: skip
+        in_end = tl.minimum(tl.maximum(n0 - offset - band_lo + 1, 0) // BLOCK_M * BLOCK_M, end)
+    if HAS_RANGE:  # ranges per batch row (stride 0 along rows): the block inside, or nothing
+        r_lo, r_hi = _rows(KSTART, KEND, srb, srl, b, tl.arange(0, 1), L, S, HAS_RANGE)
+        inside = (srl == 0) & (tl.max(r_lo, 0) <= n0) & (n_last < tl.min(r_hi, 0))
+        in_end = tl.where(inside, in_end, in_first)
+    if MASK != 0:
+        in_end = in_first
+    empty = in_end <= in_first
+    in_first = tl.where(empty, first, in_first)
+    in_end = tl.where(empty, first, in_end)
     for h in range(hk * G, hk * G + G):  # h int64, as hk
-        for start in range(first, end, BLOCK_M):
-            offs_m = start + tl.arange(0, BLOCK_M)
-            row_ok = offs_m < L
-            r_lo, r_hi = _rows(KSTART, KEND, srb, srl, b, offs_m, L, S, HAS_RANGE)
-            # a query block whose key ranges miss these keys (padding) adds nothing: skip it
-            if (tl.min(r_lo, 0) < n0 + BLOCK_N) & (tl.max(r_hi, 0) > n0):
-                q = tl.load(
-                    Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
-                    mask=row_ok[:, None] & (offs_e[None, :] < E),
-                    other=0.0,
-                )  # (BLOCK_M, BLOCK_E)
-                s = _dot(q, tl.trans(k), DOT) * scale  # (BLOCK_M, BLOCK_N)
-                s = _allowed(
-                    s, M, b * smb + h * smh, offs_m, offs_n, sml, sms, r_lo, r_hi, offset, band_lo,
-                    band_hi, BAND, MASK,
-                )  # fmt: skip
-                row0 = (b * H + h) * L  # this head's first row, int64
-                lse = tl.load(LSE + row0 + offs_m, mask=row_ok, other=float("inf"))
-                delta = tl.load(DELTA + row0 + offs_m, mask=row_ok, other=0.0)
-                p = tl.exp(s - lse[:, None])  # (BLOCK_M, BLOCK_N), 0 where masked or dead
-                do = tl.load(
-                    DO + row0 * EV + offs_m[:, None] * EV + offs_ev[None, :],
-                    mask=row_ok[:, None] & (offs_ev[None, :] < EV),
-                    other=0.0,
-                )  # (BLOCK_M, BLOCK_EV): dO is made contiguous by the launcher
-                dv += _dot(tl.trans(p.to(do.dtype)), do, DOT)
-                dp = _dot(do, tl.trans(v), DOT)  # (BLOCK_M, BLOCK_N)
-                ds = p * (dp - delta[:, None])
-                dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT)
+        for part in tl.static_range(3):  # masked query blocks before the interior, it, after
+            dk, dv = _dkdv_blocks(
+                dk, dv, k, v, Q, M, KSTART, KEND, DO, LSE, DELTA, b, h, H, offs_n, offs_e,
+                offs_ev, first if part == 0 else (in_first if part == 1 else in_end),
+                in_first if part == 0 else (in_end if part == 1 else end), n0,
+                sqb, sqh, sql, sqe, smb, smh, sml, sms, srb, srl, L, S, E, EV, scale, offset,
+                band_lo, band_hi, BAND, MASK, HAS_RANGE, DOT, BLOCK_M, BLOCK_N, part != 1,
+            )  # fmt: skip
     n = offs_n[:, None]  # dK, dV contiguous (B, Hkv, S, *)
     tl.store(DK + bk * S * E + n * E + offs_e[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (offs_e[None, :] < E))  # fmt: skip
     tl.store(DV + bk * S * EV + n * EV + offs_ev[None, :], dv.to(DV.dtype.element_ty),
              mask=key_ok[:, None] & (offs_ev[None, :] < EV))  # fmt: skip
+
+
+@triton.jit
+def _dq_blocks(
+    dq, q, do, lse, delta, K, V, M, k_base, v_base, m_base, offs_m, offs_e, offs_ev, begin, end,
+    sks, ske, svs, sve, sml, sms, r_lo, r_hi, S, E, EV, scale, offset, band_lo, band_hi,
+    BAND: tl.constexpr, MASK: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    """dQ's sum over the key blocks [begin, end); MASKED False for blocks every row sees whole."""
+    for start in range(begin, end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        k = tl.load(
+            K + k_base + offs_n[:, None] * sks + offs_e[None, :] * ske,
+            mask=(offs_n[:, None] < S) & (offs_e[None, :] < E),
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_E)
+        v = tl.load(
+            V + v_base + offs_n[:, None] * svs + offs_ev[None, :] * sve,
+            mask=(offs_n[:, None] < S) & (offs_ev[None, :] < EV),
+            other=0.0,
+        )
+        s = _dot(q, tl.trans(k), DOT) * scale
+        if MASKED:
+            s = _allowed(
+                s, M, m_base, offs_m, offs_n, sml, sms, r_lo, r_hi, offset, band_lo, band_hi,
+                BAND, MASK,
+            )  # fmt: skip
+        p = tl.exp(s - lse[:, None])
+        dp = _dot(do, tl.trans(v), DOT)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, DOT)
+    return dq
 
 
 @triton.jit
@@ -149,27 +228,19 @@ def _dq_kernel(
     last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, L) - 1
     lo, hi = _span(r_lo, r_hi, pid_m * BLOCK_M, last, offset, band_lo, band_hi, BAND)
     dq = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
-    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        k = tl.load(
-            K + b * skb + hk * skh + offs_n[:, None] * sks + offs_e[None, :] * ske,
-            mask=(offs_n[:, None] < S) & (offs_e[None, :] < E),
-            other=0.0,
-        )  # (BLOCK_N, BLOCK_E)
-        v = tl.load(
-            V + b * svb + hk * svh + offs_n[:, None] * svs + offs_ev[None, :] * sve,
-            mask=(offs_n[:, None] < S) & (offs_ev[None, :] < EV),
-            other=0.0,
-        )
-        s = _dot(q, tl.trans(k), DOT) * scale
-        s = _allowed(
-            s, M, b * smb + h * smh, offs_m, offs_n, sml, sms, r_lo, r_hi, offset, band_lo,
-            band_hi, BAND, MASK,
+    begin, in_lo, in_hi = _interior(
+        lo, hi, r_lo, r_hi, offs_m, L, pid_m * BLOCK_M, last, offset, band_lo, band_hi, BAND,
+        MASK, BLOCK_N,
+    )  # fmt: skip
+    for part in tl.static_range(3):  # the masked blocks before the interior, it, those after
+        dq = _dq_blocks(
+            dq, q, do, lse, delta, K, V, M, b * skb + hk * skh, b * svb + hk * svh,
+            b * smb + h * smh, offs_m, offs_e, offs_ev,
+            begin if part == 0 else (in_lo if part == 1 else in_hi),
+            in_lo if part == 0 else (in_hi if part == 1 else hi),
+            sks, ske, svs, sve, sml, sms, r_lo, r_hi, S, E, EV, scale, offset, band_lo, band_hi,
+            BAND, MASK, DOT, BLOCK_N, part != 1,
         )  # fmt: skip
-        p = tl.exp(s - lse[:, None])
-        dp = _dot(do, tl.trans(v), DOT)
-        ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, DOT)
     tl.store(
         DQ + bh * L * E + offs_m[:, None] * E + offs_e[None, :],
         (dq * scale).to(DQ.dtype.element_ty),
