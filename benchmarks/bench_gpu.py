@@ -1,7 +1,7 @@
 """attnlab's Triton kernels against their peers on a GPU, one run, ratios (issue targets).
 
     python benchmarks/bench_gpu.py                 # on a CUDA machine (an H100 for the targets)
-    python benchmarks/bench_gpu.py --only weights  # weights | padding | overhead | additive
+    python benchmarks/bench_gpu.py --only weights  # weights|padding|overhead|decode|additive
     python benchmarks/bench_gpu.py --only weights --sweep   # also other weights-kernel tiles
     python benchmarks/bench_gpu.py --only padding --sweep   # also other forward/backward tiles
     TRITON_INTERPRET=1 python benchmarks/bench_gpu.py --smoke   # tiny shapes, CPU interpreter:
@@ -24,6 +24,10 @@ ratios against the peer measured in the same rounds:
 * overhead -- attnlab's fused path vs calling SDPA directly at tiny shapes: microseconds added
   per call, with the NaN rule's row check (the default) and under ``attnlab.assume_finite()``
   (target <= 5 us).
+* decode   -- one new query row per sequence against a KV cache (issue 11): attnlab without
+  weights, with weights per head and averaged, and SDPA with ``enable_gqa``, under
+  ``attnlab.assume_finite()``. Target: weights <= 1.2x the call without. GQA shapes of
+  SmolLM2-135M (a 256- and a 2,176-token cache) and Llama-3-8B (4k; one sequence at 32k).
 * additive -- the fused additive-attention kernel (benchmarks/bench_gpu_additive.py).
 """
 
@@ -336,6 +340,52 @@ def bench_overhead(args) -> None:
         )
 
 
+def bench_decode(args) -> None:
+    """One new query row per sequence against a KV cache (issue 11): weights on request."""
+    print(
+        "== decode: one query row vs the cache; weights on request vs without (target <= 1.2x) =="
+    )
+    shapes = [(1, 2, 1, 40, 16)] if args.smoke else [
+        (4, 9, 3, 256, 64),  # SmolLM2-135M's heads, a 128-token prompt + 128 new tokens
+        (4, 9, 3, 2176, 64),  # ... after a 2,048-token prompt
+        (8, 32, 8, 4096, 128),  # Llama-3-8B's heads, a 4k cache
+        (1, 32, 8, 32768, 128),  # one sequence, a 32k cache (the decode kernel splits it)
+    ]  # fmt: skip
+    for B, H, Hkv, S, E in shapes:
+        g = torch.Generator(device=args.device).manual_seed(0)
+        q = torch.randn(B, H, 1, E, device=args.device, dtype=args.dtype, generator=g)
+        k, v = (torch.randn(B, Hkv, S, E, device=args.device, dtype=args.dtype, generator=g)
+                for _ in range(2))  # fmt: skip
+        call = attnlab.scaled_dot_product_attention
+        kw = dict(is_causal="bottom_right")
+        paths = {rw: attnlab.explain(q, k, v, return_weights=rw, **kw).path
+                 for rw in (False, True, "average")}  # fmt: skip
+        n = 5 if args.smoke else 50  # calls per timing: a decode call is a few microseconds
+        with torch.no_grad(), attnlab.assume_finite():  # the kernels' cost, not the NaN check
+            cases = {
+                "SDPA (enable_gqa), no weights": lambda: F.scaled_dot_product_attention(
+                    q, k, v, enable_gqa=Hkv != H
+                ),
+                f"attnlab, no weights ({paths[False]})": lambda: call(q, k, v, **kw),
+                f"attnlab, weights per head ({paths[True]})": lambda: call(
+                    q, k, v, return_weights=True, **kw
+                ),
+                f"attnlab, weights averaged ({paths['average']})": lambda: call(
+                    q, k, v, return_weights="average", **kw
+                ),
+            }
+            loops = {name: (lambda fn=fn: [fn() for _ in range(n)]) for name, fn in cases.items()}
+            t = {name: s / n for name, s in round_robin(loops, args.device, args.rounds).items()}
+        base = t[f"attnlab, no weights ({paths[False]})"]
+        print(f"(B={B}, H={H}, Hkv={Hkv}, S={S}, E={E}) {args.dtype}, under assume_finite:")
+        for name, s in t.items():
+            row(name, s, base)
+        each, avg = (t[f"attnlab, weights per head ({paths[True]})"],
+                     t[f"attnlab, weights averaged ({paths['average']})"])  # fmt: skip
+        print(f"  targets: weights per head x{each / base:.2f}, averaged x{avg / base:.2f} of the"
+              " call without (<= 1.2)")  # fmt: skip
+
+
 def _assuming_finite(fn):
     with attnlab.assume_finite():
         return fn()
@@ -357,7 +407,7 @@ def pick_device(args, script: str) -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", choices=["weights", "padding", "overhead", "additive"])
+    p.add_argument("--only", choices=["weights", "padding", "overhead", "decode", "additive"])
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
@@ -366,7 +416,7 @@ def main(argv=None) -> int:
     args.dtype = getattr(torch, args.dtype)
     if not pick_device(args, "bench_gpu"):
         return 0
-    chosen = [args.only] if args.only else ["weights", "padding", "overhead", "additive"]
+    chosen = [args.only] if args.only else ["weights", "padding", "overhead", "decode", "additive"]
     for name in chosen:
         if name == "additive":
             try:

@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu_figures.sh 1   # kernels' results vs float64, then bench_gpu.py (issue 9),
 #                                      # with the kernels' tiles swept
 #   bash benchmarks/gpu_figures.sh 2   # additive kernel and its tilings (issue 9, item 3)
-#   bash benchmarks/gpu_figures.sh 3   # decoding vs Hugging Face, issue 11's setup; DecodeStep
+#   bash benchmarks/gpu_figures.sh 3   # decoding vs Hugging Face, issue 11's setup; weights at
+#                                      # decode; DecodeStep
 #   bash benchmarks/gpu_figures.sh 4   # decoding at batch 1 and a 2,048-token prompt; beam
 #   bash benchmarks/gpu_figures.sh 0   # one call for a single lease: the check, then what
 #                                      # changed since the last figures (1 and 2's rows)
@@ -49,6 +50,7 @@ case "${1:-}" in
     STEP_LIMIT=150 run bench_gpu_weights "$py" benchmarks/bench_gpu.py --only weights --sweep
     STEP_LIMIT=240 run bench_gpu_padding "$py" benchmarks/bench_gpu.py --only padding --sweep
     STEP_LIMIT=40 run bench_gpu_overhead "$py" benchmarks/bench_gpu.py --only overhead
+    STEP_LIMIT=60 run bench_gpu_decode "$py" benchmarks/bench_gpu.py --only decode
     run bench_gpu_additive "$py" benchmarks/bench_gpu_additive.py  # (as it goes)
     ;;
 1)
@@ -63,6 +65,7 @@ case "${1:-}" in
 3)
     STEP_LIMIT=420 run bench_decode "$py" benchmarks/bench_decode.py --config issue --batch 4 \
         --prompt 128 --attention
+    STEP_LIMIT=60 run bench_gpu_decode "$py" benchmarks/bench_gpu.py --only decode
     run bench_decode_step "$py" benchmarks/bench_decode_step.py
     ;;
 4)
