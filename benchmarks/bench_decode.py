@@ -21,8 +21,10 @@ every generate: its storage keeps its addresses, so a compiled step's CUDA graph
 once, not in every timed call (a cache made per call would be at new addresses).
 
 Every case must produce the same greedy tokens as HF static (checked and printed; where
-they differ, the first generated token that does: in bfloat16 a near tie between two tokens
-may be broken either way by rounding, as between HF's own compiled and eager steps). Figures:
+they differ, the first generated token that does, and whether it is a near tie: in bfloat16 a
+tie between two tokens may be broken either way by rounding, as between HF's own compiled and
+eager steps, so the two tokens' logits are compared in a float32 copy of the model against the
+model's own bfloat16 logit error at that prefix). Figures:
 tokens/s = B * new tokens / time of one generate (prefill included, as Hugging Face reports
 it); ms/step = (time(new tokens) - time(1 token)) / (new tokens - 1), the decode step alone;
 the ratios compare pairs of cases within one run (median and best of the rounds), compiled with
@@ -53,6 +55,7 @@ The first round compiles (tens of seconds per batch size on a 2-core CPU) and is
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import re
 import statistics
@@ -222,7 +225,7 @@ def time_cases(cases: dict, new: int, rounds: int, device: str) -> tuple[dict, d
     return times, tokens
 
 
-def report(times: dict, tokens: dict, batch: int, new: int) -> None:
+def report(times: dict, tokens: dict, batch: int, new: int, judge=None) -> None:
     ref_name = "HF static" if "HF static" in tokens else next(iter(tokens))
     ref = tokens[ref_name]
     print(
@@ -231,7 +234,7 @@ def report(times: dict, tokens: dict, batch: int, new: int) -> None:
     )
     for name, t in times.items():
         full, step = statistics.median(t["full"]), statistics.median(t["step"])
-        same = agreement(tokens[name].cpu(), ref.cpu(), new)
+        same = agreement(tokens[name].cpu(), ref.cpu(), new, judge)
         print(
             f"{name:<26} {batch * new / full:10.1f} {batch * new / min(t['full']):8.1f} "
             f"{step * 1e3:9.2f} {min(t['step']) * 1e3:8.2f}   {same}"
@@ -246,19 +249,47 @@ def report(times: dict, tokens: dict, batch: int, new: int) -> None:
     sys.stdout.flush()  # this configuration's figures out now, whatever comes after
 
 
-def agreement(got: torch.Tensor, ref: torch.Tensor, new: int) -> str:
+def agreement(got: torch.Tensor, ref: torch.Tensor, new: int, judge=None) -> str:
     """Say "yes" when two (B, T) greedy outputs (the last ``new`` tokens generated) are equal;
     else where they part, "NO from token t (r of B rows)", t the first generated token (from 1) that
-    differs in any row. A late parting in 16-bit points at a near tie broken by rounding; a
-    parting at token 1, at a different computation."""
+    differs in any row, and what ``judge(prefix, token, other)`` says of that first parting (see
+    :func:`tie_judge`). A parting at token 1 points at a different computation."""
     if torch.equal(got, ref):
         return "yes"
     if got.shape != ref.shape:
         return f"NO (shapes {tuple(got.shape)} vs {tuple(ref.shape)})"
     differs = (got != ref).any(0).nonzero()
     rows = int((got != ref).any(-1).sum())
-    first = int(differs[0]) + 1 - (got.shape[-1] - new)
-    return f"NO from token {first} ({rows} of {got.shape[0]} rows)"
+    j = int(differs[0])  # the first column where some row parts
+    first = j + 1 - (got.shape[-1] - new)
+    said = f"NO from token {first} ({rows} of {got.shape[0]} rows)"
+    if judge is not None:
+        r = int((got[:, j] != ref[:, j]).nonzero()[0])
+        said += judge(ref[r, :j], int(ref[r, j]), int(got[r, j]))
+    return said
+
+
+def tie_judge(hf) -> Callable[[torch.Tensor, int, int], str]:
+    """Whether a parting of greedy tokens is a near tie broken by rounding: at the common prefix,
+    the gap between the two tokens' logits in a float32 copy of the model, against the model's
+    own logit error in its dtype there (max |logit - float32 logit| over the vocabulary, the
+    control). A gap under that error is a tie the dtype cannot decide; a gap over it, a
+    difference in computation to look into."""
+    exact = {}
+
+    def judge(prefix: torch.Tensor, token: int, other: int) -> str:
+        if "model" not in exact:
+            exact["model"] = copy.deepcopy(hf).float()
+        ids = prefix[None].to(hf.device)
+        with torch.no_grad():
+            want = exact["model"](ids).logits[0, -1].float()
+            have = hf(ids).logits[0, -1].float()
+        gap = float((want[token] - want[other]).abs())
+        error = float((have - want).abs().max())
+        verdict = "a near tie" if gap <= error else "NOT a near tie: look into it"
+        return f"; there float32 logits {gap:.2g} apart, {hf.dtype} error {error:.2g}: {verdict}"
+
+    return judge
 
 
 def attention_share(ours, ids, device: str, new: int = 8) -> str:
@@ -355,7 +386,7 @@ def main() -> None:
             start = time.perf_counter()
             cases = cases_for(hf, ours, ids, new, args.only)
             times, tokens = time_cases(cases, new, rounds, args.device)
-            report(times, tokens, batch, new)
+            report(times, tokens, batch, new, tie_judge(hf))
             if args.attention:
                 print("  " + attention_share(ours, ids, args.device))
             print(f"  (this configuration: {time.perf_counter() - start:.0f} s)", flush=True)
