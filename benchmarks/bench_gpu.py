@@ -151,10 +151,12 @@ def bench_weights(args) -> None:
         )
         if args.sweep:
             with torch.no_grad():
-                sweep_tiles(args, "weights", q, {
+                sweep_tiles(args, "average", q, {
                     "averaged": lambda: attnlab.scaled_dot_product_attention(
                         q, k, v, is_causal=is_causal, return_weights="average"
                     ),
+                }, fused, "fused")  # fmt: skip
+                sweep_tiles(args, "weights", q, {
                     "per head": lambda: attnlab.scaled_dot_product_attention(
                         q, k, v, is_causal=is_causal, return_weights=True, weights_out=buf
                     ),
@@ -170,6 +172,8 @@ def bench_weights(args) -> None:
 SWEPT_TILES = {
     "weights": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
                 (64, 128, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3), (256, 64, 8, 2)],
+    "average": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+                (64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 32, 4, 4)],
     "forward": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3),
                 (64, 32, 4, 3)],
     "backward": [(64, 32, 4, 2), (64, 16, 4, 2), (32, 32, 4, 2), (64, 64, 4, 2),

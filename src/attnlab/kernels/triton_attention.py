@@ -396,6 +396,11 @@ TILES = {
     "weights": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3),
                 (True, 256): (128, 32, 8, 1), (False, 64): (32, 64, 8, 1),
                 (False, 128): (32, 32, 8, 2), (False, 256): (32, 32, 8, 2)},
+    # the averaged weights' kernel (a program per (rows, keys) tile, a loop over heads): the
+    # per-head kernel's tiles until a GPU times them apart (bench_gpu.py --only weights --sweep)
+    "average": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3),
+                (True, 256): (128, 32, 8, 1), (False, 64): (32, 64, 8, 1),
+                (False, 128): (32, 32, 8, 2), (False, 256): (32, 32, 8, 2)},
     "backward": {(True, 64): (64, 32, 4, 2), (True, 128): (64, 32, 4, 2),
                  (True, 256): (16, 32, 8, 2), (False, 64): (16, 16, 4, 1),
                  (False, 128): (16, 32, 8, 1), (False, 256): (32, 16, 8, 1)},
@@ -535,7 +540,7 @@ def attention_weights(
     kind, m, ms = _mask_args(mask, q, S)
     has_range, start, end, srb, srl = _range_args(key_range, q)
     has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
-    BM, BN, BE, _, warps, stages = _blocks(E, E, q.dtype, "weights")
+    BM, BN, BE, _, warps, stages = _blocks(E, E, q.dtype, "average" if average else "weights")
     args = (
         q, k, m, start, end, lse, out, *q.stride(), *k.stride(), *ms, srb, srl,
         H, H // Hkv, L, S, E, scale, offset, band_lo, band_hi,
