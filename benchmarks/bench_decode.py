@@ -244,8 +244,10 @@ def report(times: dict, tokens: dict, batch: int, new: int, judge=None) -> None:
         if a in times and b in times:
             tput = statistics.median(times[b]["full"]) / statistics.median(times[a]["full"])
             best = min(times[b]["full"]) / min(times[a]["full"])
-            step = statistics.median(times[b]["step"]) / statistics.median(times[a]["step"])
-            print(f"  {a} / {b} ({what}): x{tput:.2f} (best x{best:.2f}); step x{step:.2f}")
+            steps = statistics.median(times[b]["step"]), statistics.median(times[a]["step"])
+            # (a step's time is a difference of two timings: noise can leave nothing of it)
+            step = f"x{steps[0] / steps[1]:.2f}" if min(steps) > 0 else "not measurable (noise)"
+            print(f"  {a} / {b} ({what}): x{tput:.2f} (best x{best:.2f}); step {step}")
     sys.stdout.flush()  # this configuration's figures out now, whatever comes after
 
 
