@@ -106,16 +106,16 @@ def test_dispatch_paths_and_reasons(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     AF.scaled_dot_product_attention(q, k, v, is_causal="top_left")
-    assert len(calls) == 1 and calls[0]["is_causal"] and calls[0]["enable_gqa"]
+    assert len(calls) == 1 and calls[0].get("is_causal") and calls[0].get("enable_gqa")
     AF.scaled_dot_product_attention(q, k, v, return_weights=True)
     AF.scaled_dot_product_attention(q.requires_grad_(), k, v, return_weights=True)
     assert len(calls) == 1  # the weights and eager paths compute the output themselves
     q2, k2, v2 = qkv(L=7, S=7)
     AF.scaled_dot_product_attention(q2, k2, v2, is_causal="bottom_right")  # L == S
-    assert calls[-1]["is_causal"] and calls[-1]["attn_mask"] is None  # no dense mask
+    assert calls[-1].get("is_causal") and calls[-1].get("attn_mask") is None  # no dense mask
     q3 = q2[:, :, :1]
     AF.scaled_dot_product_attention(q3, k2, v2, is_causal="bottom_right")  # one decode step
-    assert not calls[-1]["is_causal"] and calls[-1]["attn_mask"] is None  # sees every key
+    assert not calls[-1].get("is_causal") and calls[-1].get("attn_mask") is None  # sees every key
 
 
 def test_dispatch_is_logged(caplog):
@@ -123,6 +123,78 @@ def test_dispatch_is_logged(caplog):
     with caplog.at_level(logging.DEBUG, logger="attnlab.dispatch"):
         AF.scaled_dot_product_attention(q, k, v, dropout_p=0.2)
     assert any("eager" in r.getMessage() for r in caplog.records)
+
+
+PLAIN_CALLS = {  # name: (shape of q, of k and v, dtype, kwargs, served by the hot path)
+    "plain": ((2, 4, 6, 8), (2, 4, 6, 8), torch.float32, {}, True),
+    "causal": ((1, 2, 5, 8), (1, 2, 5, 8), torch.float32, {"is_causal": True}, True),
+    "gqa causal": ((2, 4, 6, 8), (2, 2, 6, 8), torch.float32, {"is_causal": True}, True),
+    "scale": ((1, 2, 5, 8), (1, 2, 7, 8), torch.bfloat16, {"scale": 0.3}, True),
+    "causal scale gqa": ((1, 4, 5, 8), (1, 1, 5, 8), F64, {"is_causal": True, "scale": 2.0}, True),
+    "dropout 0 int": ((1, 2, 3, 4), (1, 2, 3, 4), torch.float16, {"dropout_p": 0}, True),
+    "scale<0 causal": ((1, 2, 5, 8), (1, 2, 5, 8), F64, {"is_causal": True, "scale": -0.5}, False),
+    "int scale": ((1, 2, 5, 8), (1, 2, 5, 8), F64, {"scale": 1}, False),
+    "bottom_right": ((1, 2, 3, 8), (1, 2, 7, 8), F64, {"is_causal": "bottom_right"}, False),
+    "3-D": ((2, 5, 8), (2, 7, 8), F64, {}, False),
+    "empty S": ((1, 2, 3, 8), (1, 2, 0, 8), F64, {}, False),
+    "no heads": ((1, 0, 3, 8), (1, 0, 3, 8), F64, {}, False),
+    "mask": ((1, 2, 3, 8), (1, 2, 3, 8), F64, {"attn_mask": torch.ones(3, 3).bool()}, False),
+}
+
+
+@pytest.mark.parametrize("assumed", [False, True])
+@pytest.mark.parametrize("nan", [False, True])
+@pytest.mark.parametrize("name", PLAIN_CALLS)
+def test_the_hot_path_gives_the_general_routes_result(name, nan, assumed, monkeypatch):
+    from attnlab.functional import sdpa
+
+    q_shape, kv_shape, dtype, kwargs, hot = PLAIN_CALLS[name]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(q_shape, generator=g).to(dtype)
+    k, v = (torch.randn(kv_shape, generator=g).to(dtype) for _ in range(2))
+    if nan and k.numel():
+        k[..., -1, 0] = float("nan")  # (the last key: masked for the first causal rows)
+        q[..., 0, 1] = float("inf")
+    served = []
+    hot_path = sdpa._plain_fused
+    monkeypatch.setattr(sdpa, "_plain_fused", lambda *a: served.append(hot_path(*a)) or served[-1])
+    with AF.assume_finite(assumed):
+        got = AF.scaled_dot_product_attention(q, k, v, **kwargs)
+        want = sdpa.attention_with(q, k, v, **kwargs)  # (the general route)
+    assert (bool(served) and served[0] is not None) == hot
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_hot_path_trains_as_the_general_route(dtype):
+    from attnlab.functional import sdpa
+
+    q, k, v = (t.to(dtype).requires_grad_() for t in qkv(L=5, S=5))
+    # 16-bit training on CPU: the kernel chosen by measurement decides (the general route)
+    assert (sdpa._plain_fused(q, k, v, True, None) is None) == (dtype == torch.bfloat16)
+    grads = []
+    for call in (AF.scaled_dot_product_attention, sdpa.attention_with):
+        out = call(q, k, v, is_causal=True)
+        grads.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_hot_path_leaves_what_it_does_not_decide(caplog):
+    q, k, v = (t.float() for t in qkv(L=4, S=4))
+    with caplog.at_level(logging.DEBUG, logger="attnlab.dispatch"):  # the dispatch is logged
+        AF.scaled_dot_product_attention(q, k, v)
+    assert any("fused" in r.getMessage() for r in caplog.records)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # cast as torch's autocast casts
+        assert AF.scaled_dot_product_attention(q, k, v).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="is_causal=True is ambiguous"):
+        AF.scaled_dot_product_attention(q, k[:, :, :3], v[:, :, :3], is_causal=True)
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        AF.scaled_dot_product_attention(q, k, v, scale=float("inf"))
+    with pytest.raises(ValueError, match="dropout_p must be a probability"):
+        AF.scaled_dot_product_attention(q, k, v, dropout_p=torch.tensor(0.0))
+    with pytest.raises(TypeError, match="share one dtype"):
+        AF.scaled_dot_product_attention(q, k.double(), v)
 
 
 def test_fused_path_compiles_without_graph_breaks():

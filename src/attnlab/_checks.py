@@ -58,7 +58,7 @@ def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> No
     Leading dims are optional: 2-D ``(L, E)``, 3-D ``(B, L, E)`` and 4-D ``(B, H, L, E)`` are
     accepted, but query, key and value must all have the same number of dims.
     """
-    if _qkv_fit(query, key, value):
+    if qkv_fit_shapes(query, key, value) is not None:
         return  # (the common case in ~1 us; the checks below say what is wrong otherwise)
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_floating(name, t)
@@ -126,25 +126,33 @@ def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> No
 def _qkv_fit(query, key, value) -> bool:
     """True when :func:`check_qkv` has nothing to say about 4-D inputs on the CPU or on one
     CUDA device (its hot case, in ~0.9 us); False means "run the checks", not "wrong"."""
+    return qkv_fit_shapes(query, key, value) is not None
+
+
+def qkv_fit_shapes(query, key, value) -> tuple[torch.Size, torch.Size] | None:
+    """``(query.shape, key.shape)`` when :func:`_qkv_fit` holds, else None (the fused hot path
+    reads the sizes from them rather than asking the tensors twice)."""
     T = torch.Tensor
     if not (isinstance(query, T) and isinstance(key, T) and isinstance(value, T)):
-        return False
+        return None
     dtype = query.dtype  # (dtypes are singletons: `is` compares them)
     if not (dtype.is_floating_point and key.dtype is dtype and value.dtype is dtype):
-        return False
+        return None
     if not (query.is_cpu and key.is_cpu and value.is_cpu) and not (
         query.is_cuda
         and key.is_cuda
         and value.is_cuda
         and query.get_device() == key.get_device() == value.get_device()
     ):
-        return False
+        return None
     qs, ks, vs = query.shape, key.shape, value.shape
     if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
-        return False
+        return None
     B, H, _, E = qs
     Bk, Hkv, S, Ek = ks
-    return Ek == E and vs[0] == Bk == B and vs[1] == Hkv and vs[2] == S and Hkv > 0 and H % Hkv == 0
+    if Ek == E and vs[0] == Bk == B and vs[1] == Hkv and vs[2] == S and Hkv > 0 and H % Hkv == 0:
+        return qs, ks
+    return None
 
 
 def broadcast_shapes(*shapes) -> tuple[int, ...]:

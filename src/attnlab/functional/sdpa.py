@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from attnlab import kernels
 from attnlab._checks import (
+    _any_autocast,
     autocast_inputs,
     causal_alignment,
     check_bias_range,
@@ -51,8 +52,9 @@ from attnlab._checks import (
     check_mask,
     check_qkv,
     check_scale,
+    qkv_fit_shapes,
 )
-from attnlab.functional import _triton
+from attnlab.functional import _triton, nonfinite
 from attnlab.functional._layout import (
     as_4d,
     grouped_scores,
@@ -404,6 +406,16 @@ def scaled_dot_product_attention(
         >>> out.shape, w.shape
         (torch.Size([2, 8, 5, 32]), torch.Size([2, 8, 5, 7]))
     """
+    if (
+        attn_mask is None
+        and return_weights is False
+        and weights_out is None
+        and (dropout_p.__class__ is float or dropout_p.__class__ is int)
+        and dropout_p == 0
+    ):
+        out = _plain_fused(query, key, value, is_causal, scale)
+        if out is not None:
+            return out
     return attention_with(
         query,
         key,
@@ -415,6 +427,43 @@ def scaled_dot_product_attention(
         return_weights=return_weights,
         weights_out=weights_out,
     )
+
+
+def _plain_fused(query, key, value, is_causal, scale) -> torch.Tensor | None:
+    """The output of the commonest calls (no mask, dropout or weights), or None for any other.
+
+    The hot path: these calls take the fused path, decided here in a few tests instead of the
+    general route's (:func:`_prepared`, :func:`_choose`, :func:`_fused`: ~2-3 us a call at tiny
+    shapes, measured with ``benchmarks/bench_core.py --only overhead``). Served: 4-D inputs that
+    :func:`check_qkv` accepts, on the CPU or one CUDA device, none empty; ``is_causal`` False,
+    or True with L == S; ``scale`` None or a positive float; outside ``torch.autocast``, traced
+    graphs and DEBUG logging of ``attnlab.dispatch``; not 16-bit training on the CPU (whose
+    kernel is chosen by measurement). Any other call returns None and takes the general route,
+    whose checks raise and whose dispatch logs, with the same result: the same torch call and
+    the same NaN rule (tests/test_dropout_and_dispatch.py compares the two)."""
+    if _any_autocast is None or _any_autocast() or torch.compiler.is_compiling():
+        return None
+    shapes = qkv_fit_shapes(query, key, value)
+    if shapes is None:
+        return None
+    (B, H, L, E), (_, Hkv, S, _) = shapes
+    if not (B and H and L and E and S):  # (empty: the eager path, or no heads)
+        return None
+    if is_causal is True:
+        if L != S:  # (refused by causal_alignment)
+            return None
+    elif is_causal is not False:  # (alignments, and what causal_alignment refuses)
+        return None
+    if scale is not None and not (scale.__class__ is float and 0.0 < scale < inf):
+        return None  # (a scale <= 0 makes causal a mask; check_scale refuses the rest)
+    if query.is_cpu and query.dtype in LOW_PRECISION and _needs_grad(query, key, value):
+        return None
+    if logger.isEnabledFor(logging.DEBUG):
+        return None
+    out = _fused(query, key, value, None, "top_left" if is_causal else None, scale, 0.0)
+    if nonfinite._assumed:  # (propagate_nonfinite's own test, without the call)
+        return out
+    return propagate_nonfinite(query, key, value, out)[0]
 
 
 def attention_with(
@@ -576,16 +625,20 @@ def _fused(q, k, v, mask, alignment, scale, dropout_p):
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
     elif k.shape[1] != q.shape[1]:
         gqa = True
-    out = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask,
-        dropout_p=dropout_p,
-        is_causal=torch_causal,
-        scale=scale,
-        enable_gqa=gqa,
-    )
+    # only the keywords that differ from torch's defaults: each one torch parses costs ~0.1 us
+    # a call (measured at tiny shapes)
+    kw = {}
+    if mask is not None:
+        kw["attn_mask"] = mask
+    if dropout_p:
+        kw["dropout_p"] = dropout_p
+    if torch_causal:
+        kw["is_causal"] = True
+    if scale is not None:
+        kw["scale"] = scale
+    if gqa:
+        kw["enable_gqa"] = True
+    out = F.scaled_dot_product_attention(q, k, v, **kw)
     if mask is not None and not q.is_cpu:
         # CPU's kernel returns 0 for rows with no attendable key; others may return NaN.
         alive = (mask if mask.dtype == torch.bool else mask > float("-inf")).any(-1, keepdim=True)
