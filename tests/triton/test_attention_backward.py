@@ -125,6 +125,28 @@ def test_wide_windows_whose_middle_holds_whole_tiles(alignment, causal):
     assert (lse.double() - ref_lse).abs().max() < 1e-5
 
 
+def test_an_infinite_key_no_row_attends_gets_finite_gradients():
+    """Key 5 holds +inf and every real query scores it -inf (weight 0): its dK, dV are the
+    reference's, not NaN from the rows past L of a partial query block (q = 0 there, 0 * inf)."""
+    q, k, v = inputs(1, 1, 1, 33, 40, 16, 8)
+    q[..., 0] = -q[..., 0].abs() - 0.1
+    k[0, 0, 5, 0] = float("inf")
+    leaves = [t.float().requires_grad_(True) for t in (q, k, v)]
+    out = TritonAttention.apply(*leaves, None, None, None, None, None)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+    dk, dv = leaves[1].grad[0, 0, 5], leaves[2].grad[0, 0, 5]
+    assert torch.isfinite(out).all() and (dk == 0).all() and (dv == 0).all()
+
+
+@pytest.mark.parametrize("window", [2**31 - 1, 2**31 - 40, 2**40])
+def test_a_window_wider_than_int32_is_no_window(window):
+    q, k, v = inputs(1, 2, 2, 40, 40, 16, 16)
+    band = masks.sliding_window_mask(40, 40, window=window, causal=False).band
+    check(q, k, v, None, None, None, torch.float32, 5e-6, band=band)
+    out, _ = ta.attention_forward(q.float(), k.float(), v.float(), band=band)
+    assert (out.double() - ta.reference(q, k, v)[0]).abs().max() < 1e-5
+
+
 def test_saturated_rows_keep_their_small_bf16_gradients():
     """A row whose softmax puts nearly all its weight on one key has tiny dQ and dK: the row
     term delta = rowsum(dO * O) must cancel dP almost exactly. From the bf16-rounded output it

@@ -383,12 +383,12 @@ def _dot_mode(dtype: torch.dtype) -> int:
 # all and fails on a spill. Triton 3.6 (torch 2.11's, on the H200 that gave the first figures)
 # spilled where 3.9 did not with float32 at E = 128 (forward 16 x 64: ~330 B; decode 4 warps:
 # 312 B) and for the weights at E = 64: those take tiles that spill in neither. With 3.6 some
-# still spill: the 16-bit dK/dV kernel at E = 128 (12-52 B; 64 x 16 tiles would not, at half
-# the keys) and float32 decode at E = 256 (~2 KB): to be settled by timing
-# (benchmarks/bench_gpu.py --only padding --sweep) under the Triton the GPU machine has. The
-# backward's unmasked interior loops (one more loop per kernel) made float32 dK/dV spill at its
-# former tiles (32 x 32 at E = 64, 24 B; 16 x 32 with 2 stages at E = 128, ~600 B): float32
-# takes backward tiles that spill in neither Triton.
+# still spill: the 16-bit dK/dV kernel at E = 128 with a mask, ranges and a band (4 B) and
+# float32 decode at E = 256 (~2 KB): to be settled by timing (benchmarks/bench_gpu.py --only
+# padding --sweep) under the Triton the GPU machine has. The backward's unmasked interior loops
+# (one more loop per kernel) made dK/dV spill at its former tiles (float32: 32 x 32 at E = 64,
+# 24 B; 16 x 32 with 2 stages at E = 128, ~600 B; 16-bit at E = 128, 64 x 32: 28 B): the
+# backward takes tiles that spill in neither Triton (16-bit at E = 128 but for those 4 B).
 TILES = {
     "forward": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3),
                 (True, 256): (64, 32, 8, 2), (False, 64): (32, 32, 8, 2),
@@ -401,7 +401,7 @@ TILES = {
     "average": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3),
                 (True, 256): (128, 32, 8, 1), (False, 64): (32, 64, 8, 1),
                 (False, 128): (32, 32, 8, 2), (False, 256): (32, 32, 8, 2)},
-    "backward": {(True, 64): (64, 32, 4, 2), (True, 128): (64, 32, 4, 2),
+    "backward": {(True, 64): (64, 32, 4, 2), (True, 128): (32, 32, 4, 2),
                  (True, 256): (16, 32, 8, 2), (False, 64): (16, 16, 4, 1),
                  (False, 128): (16, 32, 8, 1), (False, 256): (32, 16, 8, 1)},
     "decode": {(True, 64): (0, 64, 4, 2), (True, 128): (0, 32, 4, 2), (False, 64): (0, 32, 4, 2),
@@ -455,6 +455,9 @@ def _range_args(key_range, q: torch.Tensor):
 def band_args(alignment: str | None, band, L: int, S: int) -> tuple[bool, int, int, int]:
     """(BAND, offset, band_lo, band_hi): the causal alignment and a sliding-window band
     ``(offset, lo, hi)`` (keys j with ``lo <= j - (i + offset) <= hi``) as one band."""
+    # |j - (i + offset)| <= L + S here: limits past +-(L + S + 1) say "no limit", and are cut to
+    # it, so that the kernels' int32 sums (last + offset + hi + 1) cannot wrap (a window of
+    # 2**31 - 1 did: wrong rows)
     none = -(L + S + 1)  # no lower limit
     bands = []
     if alignment is not None:
@@ -464,8 +467,8 @@ def band_args(alignment: str | None, band, L: int, S: int) -> tuple[bool, int, i
     if not bands:
         return False, 0, 0, 0
     offset = bands[0][0]
-    lo = max(max(b_lo + b_off - offset, none) for b_off, b_lo, _ in bands)
-    hi = min(b_hi + b_off - offset for b_off, _, b_hi in bands)
+    lo = min(max(max(b_lo + b_off - offset, none) for b_off, b_lo, _ in bands), -none)
+    hi = max(min(min(b_hi + b_off - offset for b_off, _, b_hi in bands), -none), none)
     return True, offset, lo, hi
 
 

@@ -132,12 +132,15 @@ def _dkdv_kernel(
     # the query blocks whose every row may see every key of this block need no mask: those of
     # the band's middle, unless ranges differ by row (packed documents) or a mask tensor is read
     n_last = tl.minimum(n0 + BLOCK_N, S) - 1
+    # a partial last row block takes the mask: its rows past L read q = 0, and a key holding
+    # +inf would give them 0 * inf = NaN scores where the mask gives -inf
+    whole = L // BLOCK_M * BLOCK_M  # the row blocks with no row past L end here
     in_first = first
-    in_end = end
+    in_end = whole
     if BAND:  # rows i with i + offset + band_lo <= n0 and n_last <= i + offset + band_hi
         in_first = tl.maximum(tl.cdiv(tl.maximum(n_last - offset - band_hi, 0), BLOCK_M) * BLOCK_M,
                               first)  # fmt: skip
-        in_end = tl.minimum(tl.maximum(n0 - offset - band_lo + 1, 0) // BLOCK_M * BLOCK_M, end)
+        in_end = tl.minimum(tl.maximum(n0 - offset - band_lo + 1, 0) // BLOCK_M * BLOCK_M, whole)
     if HAS_RANGE:  # ranges per batch row (stride 0 along rows): the block inside, or nothing
         r_lo, r_hi = _rows(KSTART, KEND, srb, srl, b, tl.arange(0, 1), L, S, HAS_RANGE)
         inside = (srl == 0) & (tl.max(r_lo, 0) <= n0) & (n_last < tl.min(r_hi, 0))
