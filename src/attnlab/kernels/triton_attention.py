@@ -396,17 +396,15 @@ TILES = {
     "weights": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3),
                 (True, 256): (128, 32, 8, 1), (False, 64): (32, 64, 8, 1),
                 (False, 128): (32, 32, 8, 2), (False, 256): (32, 32, 8, 2)},
-    # the averaged weights' kernel (a program per (rows, keys) tile, a loop over heads): the
-    # per-head kernel's tiles until a GPU times them apart (bench_gpu.py --only weights --sweep)
-    "average": {(True, 64): (128, 32, 8, 3), (True, 128): (128, 32, 8, 3),
-                (True, 256): (128, 32, 8, 1), (False, 64): (32, 64, 8, 1),
-                (False, 128): (32, 32, 8, 2), (False, 256): (32, 32, 8, 2)},
     "backward": {(True, 64): (64, 32, 4, 2), (True, 128): (32, 32, 4, 2),
                  (True, 256): (16, 32, 8, 2), (False, 64): (16, 16, 4, 1),
                  (False, 128): (16, 32, 8, 1), (False, 256): (32, 16, 8, 1)},
     "decode": {(True, 64): (0, 64, 4, 2), (True, 128): (0, 32, 4, 2), (False, 64): (0, 32, 4, 2),
                (False, 128): (0, 32, 8, 2)},
 }  # fmt: skip
+# the averaged weights' kernel (a program per (rows, keys) tile, a loop over heads): the
+# per-head kernel's tiles until a GPU times them apart (bench_gpu.py --only weights --sweep)
+TILES["average"] = dict(TILES["weights"])
 SMALLEST = (32, 32, 4, 1)
 
 
