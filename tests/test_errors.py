@@ -223,7 +223,7 @@ def test_the_fast_check_accepts_nothing_the_full_checks_refuse(monkeypatch):
 
     from attnlab import _checks
 
-    fast = _checks._qkv_fit
+    fast = _checks.qkv_fit_shapes
     shapes = [(2, 4, 3, 8), (2, 2, 5, 8), (2, 2, 5, 6), (1, 2, 5, 8), (2, 3, 5, 8), (2, 0, 5, 8),
               (2, 4, 5, 8), (2, 4, 3), (4, 3, 8)]  # fmt: skip
     accepted = refused = 0
@@ -239,11 +239,11 @@ def test_the_fast_check_accepts_nothing_the_full_checks_refuse(monkeypatch):
         for device in (None, "meta"):
             if device:
                 v = v.to(device)
-            if not fast(q, k, v):
+            if fast(q, k, v) is None:
                 refused += 1
                 continue
             accepted += 1
-            monkeypatch.setattr(_checks, "_qkv_fit", lambda *args: False)
+            monkeypatch.setattr(_checks, "qkv_fit_shapes", lambda *args: None)
             _checks.check_qkv(q, k, v)  # the full checks: must not raise
-            monkeypatch.setattr(_checks, "_qkv_fit", fast)
+            monkeypatch.setattr(_checks, "qkv_fit_shapes", fast)
     assert accepted >= 19 and refused > 1000, (accepted, refused)  # (19 fit, as written)

@@ -123,15 +123,10 @@ def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> No
             )
 
 
-def _qkv_fit(query, key, value) -> bool:
-    """True when :func:`check_qkv` has nothing to say about 4-D inputs on the CPU or on one
-    CUDA device (its hot case, in ~0.9 us); False means "run the checks", not "wrong"."""
-    return qkv_fit_shapes(query, key, value) is not None
-
-
 def qkv_fit_shapes(query, key, value) -> tuple[torch.Size, torch.Size] | None:
-    """``(query.shape, key.shape)`` when :func:`_qkv_fit` holds, else None (the fused hot path
-    reads the sizes from them rather than asking the tensors twice)."""
+    """``(query.shape, key.shape)`` when :func:`check_qkv` has nothing to say about 4-D inputs
+    on the CPU or on one CUDA device (its hot case, in ~0.9 us), else None: "run the checks",
+    not "wrong". The fused hot path reads the sizes from them rather than asking again."""
     T = torch.Tensor
     if not (isinstance(query, T) and isinstance(key, T) and isinstance(value, T)):
         return None

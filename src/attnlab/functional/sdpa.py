@@ -456,7 +456,7 @@ def _plain_fused(query, key, value, is_causal, scale) -> torch.Tensor | None:
         return None
     if scale is not None and not (scale.__class__ is float and 0.0 < scale < inf):
         return None  # (a scale <= 0 makes causal a mask; check_scale refuses the rest)
-    if query.is_cpu and query.dtype in LOW_PRECISION and _needs_grad(query, key, value):
+    if query.is_cpu and _trains_16bit(query, key, value):
         return None
     if logger.isEnabledFor(logging.DEBUG):
         return None
