@@ -202,11 +202,7 @@ def _forward_blocks(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + v_base + offs_n[:, None] * svs + offs_ev[None, :] * sve,
-            mask=(offs_n[:, None] < S) & (offs_ev[None, :] < EV),
-            other=0.0,
-        )  # (BLOCK_N, BLOCK_EV)
+        v = _tile(V, v_base, offs_n, offs_ev, svs, sve, S, EV)  # (BLOCK_N, BLOCK_EV)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT)
         m_i = m_new
     return acc, m_i, l_i

@@ -45,6 +45,7 @@ from attnlab.kernels.triton_attention import (
     _range_args,
     _rows,
     _span,
+    _tile,
     attention_forward,
     band_args,
 )
@@ -70,11 +71,7 @@ def _dkdv_blocks(
             # a query block whose key ranges miss these keys (padding) adds nothing: skip it
             go = (tl.min(r_lo, 0) < n0 + BLOCK_N) & (tl.max(r_hi, 0) > n0)
         if go:
-            q = tl.load(
-                Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
-                mask=row_ok[:, None] & (offs_e[None, :] < E),
-                other=0.0,
-            )  # (BLOCK_M, BLOCK_E)
+            q = _tile(Q, b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, E)  # (BLOCK_M, BLOCK_E)
             s = _dot(q, tl.trans(k), DOT) * scale  # (BLOCK_M, BLOCK_N)
             if MASKED:
                 s = _allowed(
@@ -111,16 +108,8 @@ def _dkdv_kernel(
     offs_e = tl.arange(0, BLOCK_E)
     offs_ev = tl.arange(0, BLOCK_EV)
     key_ok = offs_n < S
-    k = tl.load(
-        K + b * skb + hk * skh + offs_n[:, None] * sks + offs_e[None, :] * ske,
-        mask=key_ok[:, None] & (offs_e[None, :] < E),
-        other=0.0,
-    )  # (BLOCK_N, BLOCK_E)
-    v = tl.load(
-        V + b * svb + hk * svh + offs_n[:, None] * svs + offs_ev[None, :] * sve,
-        mask=key_ok[:, None] & (offs_ev[None, :] < EV),
-        other=0.0,
-    )  # (BLOCK_N, BLOCK_EV)
+    k = _tile(K, b * skb + hk * skh, offs_n, offs_e, sks, ske, S, E)  # (BLOCK_N, BLOCK_E)
+    v = _tile(V, b * svb + hk * svh, offs_n, offs_ev, svs, sve, S, EV)  # (BLOCK_N, BLOCK_EV)
     dk = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_EV], tl.float32)
     n0 = pid_n * BLOCK_N
@@ -176,16 +165,8 @@ def _dq_blocks(
     """dQ's sum over the key blocks [begin, end); MASKED False for blocks every row sees whole."""
     for start in range(begin, end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        k = tl.load(
-            K + k_base + offs_n[:, None] * sks + offs_e[None, :] * ske,
-            mask=(offs_n[:, None] < S) & (offs_e[None, :] < E),
-            other=0.0,
-        )  # (BLOCK_N, BLOCK_E)
-        v = tl.load(
-            V + v_base + offs_n[:, None] * svs + offs_ev[None, :] * sve,
-            mask=(offs_n[:, None] < S) & (offs_ev[None, :] < EV),
-            other=0.0,
-        )
+        k = _tile(K, k_base, offs_n, offs_e, sks, ske, S, E)  # (BLOCK_N, BLOCK_E)
+        v = _tile(V, v_base, offs_n, offs_ev, svs, sve, S, EV)  # (BLOCK_N, BLOCK_EV)
         s = _dot(q, tl.trans(k), DOT) * scale
         if MASKED:
             s = _allowed(
@@ -215,11 +196,7 @@ def _dq_kernel(
     offs_e = tl.arange(0, BLOCK_E)
     offs_ev = tl.arange(0, BLOCK_EV)
     row_ok = offs_m < L
-    q = tl.load(
-        Q + b * sqb + h * sqh + offs_m[:, None] * sql + offs_e[None, :] * sqe,
-        mask=row_ok[:, None] & (offs_e[None, :] < E),
-        other=0.0,
-    )
+    q = _tile(Q, b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, E)  # (BLOCK_M, BLOCK_E)
     do = tl.load(
         DO + bh * L * EV + offs_m[:, None] * EV + offs_ev[None, :],
         mask=row_ok[:, None] & (offs_ev[None, :] < EV),
