@@ -357,24 +357,32 @@ def _grads(fn, dtype, q, k, v, up, mask):
     return (out.detach(), *torch.autograd.grad(out, (q, k, v), up.to(dtype)))
 
 
-def test_bf16_gradients_are_as_accurate_as_the_naive_formula_over_many_inputs(blocks, monkeypatch):
+@pytest.mark.parametrize(
+    "shape,masked,seeds,bound",
+    [((1, 2, 2, 13, 20, 18, 4), True, 40, 1.12), ((1, 2, 1, 200, 300, 64, 64), False, 12, 1.05)],
+)
+def test_bf16_gradients_are_as_accurate_as_the_naive_formula_over_many_inputs(
+    blocks, monkeypatch, shape, masked, seeds, bound
+):
     """The per-case bound above (2x the control, the FlashAttention tests' rule) leaves room
-    for a kernel that is worse on most inputs. Over 40 inputs the median error ratio of every
-    gradient to the same-dtype naive formula's must be ~1: it was 1.17 (dQ) and 1.44 (dK)
-    when D = rowsum(dO * O) came from the rounded output (not the rounded dP) and dK took
-    log2(e) out after a bf16 GEMM (a second rounding)."""
+    for a kernel that is worse on most inputs. Over many inputs the median error ratio of the
+    output and every gradient to the same-dtype naive formula's must be ~1: it was 1.17 (dQ)
+    and 1.44 (dK) when D = rowsum(dO * O) came from the rounded output (not the rounded dP)
+    and dK took log2(e) out after a bf16 GEMM (a second rounding); at the second shape it was
+    1.28 (out), 1.14 (dK) and 1.19 (dV) while the scale was put into the bf16 query (rounding
+    it) and the output normalised after its bf16 GEMM (rounding it twice)."""
     monkeypatch.setattr(cf, "native_bf16", lambda: True)
-    B, H, Hkv, L, S, E, Ev = 1, 2, 2, 13, 20, 18, 4
+    B, H, Hkv, L, S, E, Ev = shape
     ratios = {name: [] for name in ("out", "dq", "dk", "dv")}
-    for seed in range(40):
+    for seed in range(seeds):
         g = torch.Generator().manual_seed(seed)
         shapes = ((B, H, L, E), (B, Hkv, S, E), (B, Hkv, S, Ev), (B, H, L, Ev))
         tensors = [torch.randn(s, generator=g, dtype=F64).bfloat16() for s in shapes]
-        tensors.append(torch.rand(B, 1, L, S, generator=g) < 0.7)  # the mask
+        tensors.append(torch.rand(B, 1, L, S, generator=g) < 0.7 if masked else None)
         truth = _grads(_eager, F64, *tensors)
         ours = _grads(flash_attention, torch.bfloat16, *tensors)
         control = _grads(_eager, torch.bfloat16, *tensors)
         for name, t, o, c in zip(ratios, truth, ours, control, strict=True):
             ratios[name].append(float((o.double() - t).abs().max() / (c.double() - t).abs().max()))
     medians = {name: float(np.median(r)) for name, r in ratios.items()}
-    assert all(m <= 1.12 for m in medians.values()), medians
+    assert all(m <= bound for m in medians.values()), medians
