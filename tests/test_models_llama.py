@@ -15,6 +15,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
+from attnlab.functional import rotary_frequencies  # noqa: E402
 from attnlab.models import LlamaModel  # noqa: E402
 
 
@@ -169,30 +170,21 @@ def test_static_cache_decode_step_compiles_as_one_graph_and_stops_recompiling():
         ("LlamaConfig", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
         (
             "LlamaConfig",
-            {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}},
-            "rope_type='linear'",
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+            "rope_type='yarn'",
         ),  # fmt: skip
         (
             "LlamaConfig",
-            {
-                "rope_parameters": {
-                    "rope_type": "llama3",
-                    "rope_theta": 1e4,
-                    "factor": 8.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 16,
-                }
-            },
-            "rope_type='llama3'",
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}},
+            "rope_type='dynamic'",
         ),  # fmt: skip
         ("Qwen2Config", {}, "model_type='qwen2'"),
     ],
 )
 def test_a_config_computed_otherwise_is_refused_not_loaded(config_cls, extra, named):
-    """These load without complaint into a SwiGLU, bias-free, plain-RoPE model and give other
-    logits (the Llama 3 rope scaling flips 89% of a random model's argmaxes): refused, naming
-    the setting and the way that runs them (Hugging Face's model on attnlab's attention)."""
+    """These load without complaint into a SwiGLU, bias-free model with plain, linear or
+    Llama 3 rotary frequencies and give other logits: refused, naming the setting and the way
+    that runs them (Hugging Face's model on attnlab's attention)."""
     model_cls = getattr(transformers, config_cls.replace("Config", "ForCausalLM"))
     hf_model = tiny(model_cls, getattr(transformers, config_cls), **extra)
     with pytest.raises(ValueError) as info:
@@ -276,3 +268,41 @@ def test_generate_refuses_a_right_padded_prompt():
     km = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     with pytest.raises(ValueError, match=r"row\(s\) \[0\] as padding.*left-padded"):
         model.generate(ids, 4, key_mask=km)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0},
+        # head_dim 16: wavelengths 6.3 (fast: < 64 / 8), 20 and 63 (blended), 199... (slow)
+        {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+         "high_freq_factor": 8.0, "original_max_position_embeddings": 64},
+    ],
+    ids=["linear", "llama3"],
+)  # fmt: skip
+def test_scaled_rotary_models_load_and_match_hugging_face(rope):
+    """Llama 3.1/3.2 (and position-interpolated) configs load and give Hugging Face's logits and
+    greedy tokens; before, they were refused. Without the scaling the same weights are far off,
+    so the comparison can fail."""
+    hf_model = tiny(transformers.LlamaForCausalLM, transformers.LlamaConfig, rope_parameters=rope)
+    ours = LlamaModel.from_hf(hf_model)
+    assert ours.cfg.rope_scaling is not None and ours.cfg.rope_scaling.kind == rope["rope_type"]
+    inv_freq = hf_model.model.rotary_emb.inv_freq
+    mine = rotary_frequencies(16, 1e4, ours.cfg.rope_scaling, torch.float64)
+    torch.testing.assert_close(inv_freq.double(), mine, rtol=4e-7, atol=0)  # float32 rounding
+    ids, mask = padded_batch(120, [48, 30, 41])
+    err, control = check_logits(hf_model, ours, ids, mask)
+    for block in ours.blocks:  # the same weights, plain frequencies
+        block.attn.rope_scaling = None
+    with torch.no_grad():
+        plain = ours(ids, key_mask=mask.bool())
+        eager = hf_logits(hf_model, ids, mask, "eager")
+    assert (plain - eager)[mask.bool()].abs().max() > 1000 * (err + control)
+    for block in ours.blocks:
+        block.attn.rope_scaling = ours.cfg.rope_scaling
+    hf_model.set_attn_implementation("eager")
+    want = hf_model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0
+    )
+    for kind in ("dynamic", "static"):
+        assert torch.equal(ours.generate(ids, 8, cache=kind, key_mask=mask.bool()), want), kind

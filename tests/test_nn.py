@@ -11,7 +11,7 @@ from torch import nn
 
 import attnlab.reference as R
 from attnlab import masks
-from attnlab.functional import rotary_angles
+from attnlab.functional import RotaryScaling, rotary_angles
 from attnlab.nn import (
     AdditiveAttention,
     DotProductAttention,
@@ -42,8 +42,8 @@ def mha_oracle(layer, query, key=None, value=None, mask=None, is_causal=False, p
     v = linear_np(layer.v_proj, val).reshape(B, S, Hkv, E).transpose(0, 2, 1, 3)
     if layer.rope_base is not None:
         pos = np.arange(L) if positions is None else np.asarray(positions)
-        q = R.apply_rotary(q, pos, layer.rope_base)
-        k = R.apply_rotary(k, pos, layer.rope_base)
+        q = R.apply_rotary(q, pos, layer.rope_base, layer.rope_scaling)
+        k = R.apply_rotary(k, pos, layer.rope_base, layer.rope_scaling)
     out, w = R.scaled_dot_product_attention(
         q, k, v, np64(mask), is_causal=is_causal, return_weights=True
     )
@@ -56,12 +56,22 @@ def randn(*shape, seed=0):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1), (6, 3)])
-@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("rope", [False, True, "linear", "llama3"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_self_attention_layer_matches_oracle(heads, kv_heads, rope, causal):
     torch.manual_seed(0)
+    # llama3 with c = 64: the fastest pair (wavelength 2 pi) in the blended band, the rest slow
+    scaling = {
+        "linear": RotaryScaling("linear", 3.0),
+        "llama3": RotaryScaling("llama3", 4.0, 1.0, 16.0, 64),
+    }
     layer = MultiHeadAttention(
-        24, heads, num_kv_heads=kv_heads, is_causal=causal, rope=rope
+        24,
+        heads,
+        num_kv_heads=kv_heads,
+        is_causal=causal,
+        rope=rope is not False,
+        rope_scaling=scaling.get(rope),
     ).double()
     x = randn(2, 7, 24)
     pad = masks.padding_mask([7, 4], 7)  # (B, 1, 1, S)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from unittest import mock
 
 import numpy as np
@@ -602,3 +603,79 @@ def test_rotary_angles_equal_their_numpy_twin():
         np.testing.assert_allclose(g.numpy(), w, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="even"):
         R.rotary_angles(pos, 7)
+
+
+SCALINGS = [
+    AF.RotaryScaling("linear", 4.0),
+    AF.RotaryScaling("llama3", 8.0, 1.0, 4.0, 8192),  # Llama 3.1's
+    AF.RotaryScaling("llama3", 32.0, 1.0, 4.0, 8192),  # Llama 3.2's
+    AF.RotaryScaling("llama3", 2.0, 0.5, 3.0, 100),
+]
+
+
+@pytest.mark.parametrize("scaling", SCALINGS, ids=lambda s: f"{s.kind}-{s.factor}")
+@pytest.mark.parametrize("head_dim,base", [(128, 500000.0), (64, 10000.0), (16, 100.0)])
+def test_scaled_rotary_frequencies_and_rotations_equal_their_numpy_twin(scaling, head_dim, base):
+    want = R.rotary_frequencies(head_dim, base, scaling)
+    got = AF.rotary_frequencies(head_dim, base, scaling, dtype=F64)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-14, atol=0)
+    plain = R.rotary_frequencies(head_dim, base)
+    ratio = want / plain  # 1 for fast pairs, 1 / factor for slow ones, between in the band
+    assert (ratio <= 1 + 1e-15).all() and (ratio >= 1 / scaling.factor - 1e-15).all()
+    assert (np.diff(ratio) <= 1e-15).all()  # never stretched less as the wavelength grows
+    if scaling.kind == "linear":
+        np.testing.assert_allclose(ratio, 1 / scaling.factor, rtol=1e-15)
+    else:
+        wavelength = 2 * np.pi / plain
+        band = (wavelength >= scaling.original_context / scaling.high_freq_factor) & (
+            wavelength <= scaling.original_context / scaling.low_freq_factor
+        )
+        assert (ratio[wavelength < scaling.original_context / scaling.high_freq_factor] == 1).all()
+        assert (ratio[wavelength > scaling.original_context / scaling.low_freq_factor]
+                == 1 / scaling.factor).all()  # fmt: skip
+        assert ((ratio[band] > 1 / scaling.factor - 1e-15) & (ratio[band] < 1 + 1e-15)).all()
+    x = np.random.default_rng(0).standard_normal((2, 3, 5, head_dim))
+    pos = np.array([0, 1, 700, 9000, 131071])
+    want_x = R.apply_rotary(x, pos, base, scaling)
+    got_x = AF.apply_rotary(torch.from_numpy(x), torch.from_numpy(pos), base, scaling)
+    np.testing.assert_allclose(got_x.numpy(), want_x, rtol=0, atol=1e-9)
+    change = np.abs(want_x - R.apply_rotary(x, pos, base)).max()
+    assert change > 0.1 if (ratio < 1).any() else change == 0  # (all fast: nothing stretched)
+    cos, sin = AF.rotary_angles(torch.from_numpy(pos), head_dim, base, F64, scaling)
+    for w, g in zip(R.rotary_angles(pos, head_dim, base, None, scaling), (cos, sin), strict=True):
+        np.testing.assert_allclose(g.numpy(), w, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (("yarn", 4.0), "kind"),
+        (("linear", 0.0), "factor"),
+        (("linear", float("nan")), "factor"),
+        (("linear", True), "factor"),
+        (("llama3", 8.0, 4.0, 1.0), "below"),
+        (("llama3", 8.0, 1.0, 4.0, -5), "original_context"),
+    ],
+)
+def test_rotary_scaling_refuses_what_it_cannot_compute(args, said):
+    with pytest.raises(ValueError, match=said):
+        AF.RotaryScaling(*args)
+
+
+def test_rotary_scaling_from_hugging_face_parameters():
+    assert AF.RotaryScaling.from_hf(None) is None
+    assert AF.RotaryScaling.from_hf({"rope_type": "default", "rope_theta": 1e4}) is None
+    assert AF.RotaryScaling.from_hf({"type": "linear", "factor": 2.0}) == AF.RotaryScaling(
+        "linear", 2.0
+    )
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    assert AF.RotaryScaling.from_hf(llama31) == AF.RotaryScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    for params, said in (
+        ({"rope_type": "yarn", "factor": 4.0}, "rope_type='yarn'"),
+        ({"rope_type": "dynamic", "factor": 2.0}, "rope_type='dynamic'"),
+        ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({**llama31, "attention_factor": 1.2}, "attention_factor=1.2"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            AF.RotaryScaling.from_hf(params)

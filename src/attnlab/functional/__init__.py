@@ -9,7 +9,12 @@ its specification.
 from attnlab.functional.additive import additive_attention, additive_scores, explain_additive
 from attnlab.functional.hard import hard_attention, hard_attention_weights
 from attnlab.functional.nonfinite import assume_finite, is_finite_assumed
-from attnlab.functional.rotary import apply_rotary, rotary_angles
+from attnlab.functional.rotary import (
+    RotaryScaling,
+    apply_rotary,
+    rotary_angles,
+    rotary_frequencies,
+)
 from attnlab.functional.scores import (
     concat_scores,
     dot_product_scores,
@@ -21,6 +26,7 @@ from attnlab.functional.softmax import attention, masked_softmax
 
 __all__ = [
     "Dispatch",
+    "RotaryScaling",
     "additive_attention",
     "additive_scores",
     "apply_rotary",
@@ -36,6 +42,7 @@ __all__ = [
     "is_finite_assumed",
     "masked_softmax",
     "rotary_angles",
+    "rotary_frequencies",
     "scaled_dot_product_attention",
     "scaled_dot_product_scores",
 ]

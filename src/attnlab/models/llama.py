@@ -36,7 +36,7 @@ from attnlab.cache import (
     kept_static_cache,
     write_token,
 )
-from attnlab.functional.rotary import check_positions, rotary_angles, rotate_qk
+from attnlab.functional.rotary import RotaryScaling, check_positions, rotary_angles, rotate_qk
 from attnlab.functional.sdpa import attention_with
 from attnlab.nn import MultiHeadAttention
 
@@ -55,6 +55,7 @@ class LlamaConfig:
     head_dim: int | None = None
     d_ff: int = 688
     rope_base: float = 10000.0
+    rope_scaling: RotaryScaling | None = None  # the frequencies' stretch (Llama 3.1: "llama3")
     norm_eps: float = 1e-5
     sliding_window: int | None = None
     tie_embeddings: bool = True
@@ -65,11 +66,12 @@ class LlamaConfig:
 
         Raises:
             ValueError: a config this architecture does not compute as Hugging Face does
-                (another model type, biases, another activation, scaled rotary frequencies):
-                its weights would load and give other logits.
+                (another model type, biases, another activation, rotary frequencies scaled
+                otherwise than "linear" or "llama3"): its weights would load and give other
+                logits.
         """
         _check_hf_config(config)
-        rope = getattr(config, "rope_parameters", None) or {}
+        rope = _hf_rope(config)
         return cls(
             vocab_size=config.vocab_size,
             d_model=config.hidden_size,
@@ -79,6 +81,7 @@ class LlamaConfig:
             head_dim=getattr(config, "head_dim", None),
             d_ff=config.intermediate_size,
             rope_base=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            rope_scaling=RotaryScaling.from_hf(rope),
             norm_eps=config.rms_norm_eps,
             sliding_window=getattr(config, "sliding_window", None),
             tie_embeddings=config.tie_word_embeddings,
@@ -88,25 +91,33 @@ class LlamaConfig:
 HF_MODEL_TYPES = ("llama", "mistral")
 
 
+def _hf_rope(config) -> dict:
+    """A Hugging Face config's rotary settings: ``rope_parameters`` (transformers 5) or the
+    older ``rope_scaling``."""
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+
+
 def _check_hf_config(config) -> None:
     """Refuse what :class:`LlamaModel` would silently compute differently from ``config``."""
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
     found = {
         "model_type": (getattr(config, "model_type", None), HF_MODEL_TYPES),
         "attention_bias": (getattr(config, "attention_bias", False), (False,)),
         "mlp_bias": (getattr(config, "mlp_bias", False), (False,)),
         "hidden_act": (getattr(config, "hidden_act", "silu"), ("silu",)),
-        "rope_type": (rope_type, ("default",)),
     }
     wrong = [f"{name}={got!r} (takes {' or '.join(map(repr, ok))})"
              for name, (got, ok) in found.items() if got not in ok]  # fmt: skip
+    try:
+        RotaryScaling.from_hf(_hf_rope(config))
+    except ValueError as e:
+        wrong.append(str(e).split(": ", 1)[1])
     if wrong:
         raise ValueError(
             f"LlamaModel.from_hf: this config sets {', '.join(wrong)}; attnlab's LlamaModel "
-            f"(SwiGLU MLP, no biases, plain rotary frequencies) would load these weights and "
-            f"compute other logits. Fix: run the Hugging Face model itself on attnlab's "
-            f"attention, with attn_implementation='attnlab' (attnlab.integrations.transformers)."
+            f"(SwiGLU MLP, no biases, rotary frequencies plain or scaled 'linear' or 'llama3') "
+            f"would load these weights and compute other logits. Fix: run the Hugging Face "
+            f"model itself on attnlab's attention, with attn_implementation='attnlab' "
+            f"(attnlab.integrations.transformers)."
         )
 
 
@@ -136,6 +147,7 @@ class Block(nn.Module):
             bias=False,
             is_causal=True,
             rope=cfg.rope_base,
+            rope_scaling=cfg.rope_scaling,
             sliding_window=cfg.sliding_window,
             layer_idx=layer_idx,
         )
@@ -306,7 +318,7 @@ class LlamaModel(nn.Module):
         check_positions(position_ids, input_ids.shape[1])
         attn = self.blocks[0].attn
         dtype = torch.float64 if self.embed.weight.dtype == torch.float64 else torch.float32
-        return rotary_angles(position_ids, attn.head_dim, attn.rope_base, dtype)
+        return rotary_angles(position_ids, attn.head_dim, attn.rope_base, dtype, attn.rope_scaling)
 
     def make_cache(self, kind: str = "dynamic", max_length: int | None = None) -> Cache:
         """A cache for this model: ``"dynamic"``, ``"static"`` (needs max_length), ``"sliding"``."""

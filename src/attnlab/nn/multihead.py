@@ -20,7 +20,7 @@ from torch import nn
 
 from attnlab._checks import check_floating, check_mask, divisors
 from attnlab.cache import Cache, SlidingWindowCache
-from attnlab.functional.rotary import apply_rotary_qk, rotate_qk
+from attnlab.functional.rotary import RotaryScaling, apply_rotary_qk, rotate_qk
 from attnlab.functional.sdpa import attention_with
 from attnlab.masks import plain, restrict, sliding_window_mask
 from attnlab.nn._names import COMPAT, FORWARD, INIT, refuse
@@ -43,6 +43,9 @@ class MultiHeadAttention(nn.Module):
             positions.
         rope: rotary position embedding of queries and keys (self-attention only): ``True``
             (base 10000), or a float: the base.
+        rope_scaling: the rotary frequencies' stretch for a longer context
+            (:class:`attnlab.functional.RotaryScaling`: "linear" or Llama 3.1's "llama3"), with
+            ``rope``; None (the default) for plain RoPE.
         sliding_window: each query sees only itself and the ``sliding_window - 1`` positions
             before it (causal).
         layer_idx: this layer's index in a :mod:`attnlab.cache` cache: one per application
@@ -78,6 +81,7 @@ class MultiHeadAttention(nn.Module):
         out_dropout: float = 0.0,
         is_causal: bool = False,
         rope: bool | float = False,
+        rope_scaling: RotaryScaling | None = None,
         sliding_window: int | None = None,
         layer_idx: int | None = None,
         device: torch.device | str | None = None,
@@ -103,6 +107,15 @@ class MultiHeadAttention(nn.Module):
         head_dim = d_model // num_heads if head_dim is None else head_dim
         if rope is not False and head_dim % 2:
             raise ValueError(f"rope needs an even head_dim; got head_dim={head_dim}.")
+        if rope_scaling is not None and (
+            rope is False or not isinstance(rope_scaling, RotaryScaling)
+        ):
+            raise TypeError(
+                f"rope_scaling stretches the frequencies of a layer with rope=...: expected an "
+                f"attnlab.functional.RotaryScaling and rope=True or a base; got rope={rope!r}, "
+                f"rope_scaling={rope_scaling!r}. Fix: e.g. rope=500000.0, rope_scaling="
+                f"RotaryScaling('llama3', 8.0, 1.0, 4.0, 8192)."
+            )
         if sliding_window is not None and (
             not isinstance(sliding_window, int) or sliding_window < 1
         ):
@@ -111,6 +124,7 @@ class MultiHeadAttention(nn.Module):
         self.head_dim, self.is_causal, self.layer_idx = head_dim, is_causal, layer_idx
         self.kdim, self.vdim = kdim or d_model, vdim or d_model
         self.rope_base = None if rope is False else (10000.0 if rope is True else float(rope))
+        self.rope_scaling = rope_scaling
         self.sliding_window = sliding_window
         self.attn_dropout = attn_dropout
         kw = {"bias": bias, "device": device, "dtype": dtype}
@@ -122,6 +136,7 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         extra = f", rope base {self.rope_base}" if self.rope_base else ""
+        extra += f", {self.rope_scaling}" if self.rope_scaling else ""
         extra += f", sliding_window={self.sliding_window}" if self.sliding_window else ""
         return (
             f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads="
@@ -181,8 +196,9 @@ class MultiHeadAttention(nn.Module):
             position_ids: (L,) or (B, L) positions for RoPE; default: after the cached tokens.
             rope_angles: instead of ``position_ids``, their rotation angles ``(cos, sin)``, each
                 (L, E) or (B, L, E), from :func:`attnlab.functional.rotary_angles` with this
-                layer's ``rope_base``: a model computes them once per forward for all its
-                layers (as Hugging Face's ``position_embeddings``) instead of once per layer.
+                layer's ``rope_base`` and ``rope_scaling``: a model computes them once per
+                forward for all its layers (as Hugging Face's ``position_embeddings``) instead
+                of once per layer.
             return_weights: also return the attention weights, (B, H, L, S).
             average_weights: average the returned weights over heads: (B, L, S).
 
@@ -236,7 +252,7 @@ class MultiHeadAttention(nn.Module):
         elif self.rope_base is not None:
             if position_ids is None:
                 position_ids = torch.arange(L, device=query.device) if q_pos is None else q_pos
-            q, k = apply_rotary_qk(q, k, position_ids, self.rope_base)  # angles computed once
+            q, k = apply_rotary_qk(q, k, position_ids, self.rope_base, self.rope_scaling)
         allowed = None  # what the cache or the window allows
         kv_finite = None  # (B, Hkv): the cache checked each slot for NaN/inf when writing it
         if cache is not None:
@@ -332,7 +348,7 @@ class MultiHeadAttention(nn.Module):
                 f"rope_angles must be (cos, sin), two floating tensors of shape (L, E) or "
                 f"(B, L, E) with B = {B}, L = {L} and E = head_dim = {self.head_dim}; got {got}. "
                 f"Fix: rope_angles=attnlab.functional.rotary_angles(position_ids, "
-                f"{self.head_dim}, {self.rope_base})."
+                f"{self.head_dim}, {self.rope_base}, scaling=layer.rope_scaling)."
             )
 
     def _check_step(self, cache, L, key_mask) -> None:

@@ -16,6 +16,7 @@ from attnlab.reference.attention import (
     hard_attention_weights,
     masked_softmax,
     rotary_angles,
+    rotary_frequencies,
     scaled_dot_product_attention,
     scaled_dot_product_scores,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "masked_softmax",
     "padding_mask",
     "rotary_angles",
+    "rotary_frequencies",
     "scaled_dot_product_attention",
     "scaled_dot_product_scores",
     "sliding_window_mask",

@@ -275,24 +275,44 @@ def hard_attention(
     return (out, weights) if return_weights else out
 
 
-def rotary_angles(positions, head_dim, base=10000.0, dtype=None):
-    # positions [..., L] -> (cos, sin), each [..., L, E]: the angle m * base^(-2i/E) of pair i,
-    # written twice (for both halves of the head dim, as apply_rotary pairs them)
-    # (dtype: the torch twin's compute dtype; here always float64)
+def rotary_frequencies(head_dim, base=10000.0, scaling=None, dtype=None, device=None):
+    # [E/2]: theta_i = base^(-2i/E), stretched by scaling (an attnlab.functional.RotaryScaling,
+    # read for its fields): "linear" divides every theta_i by the factor; "llama3" keeps the
+    # fast ones (wavelength 2 pi / theta_i < original_context / high_freq_factor), divides the
+    # slow ones (wavelength > original_context / low_freq_factor) and blends in between
+    # (dtype, device: the torch twin's; here always float64 on the host)
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for rotary embeddings; got {head_dim}")
     theta = base ** (-np.arange(0, head_dim, 2) / head_dim)  # [E/2]
+    if scaling is None:
+        return theta
+    if scaling.kind == "linear":
+        return theta / scaling.factor
+    wavelength = 2 * np.pi / theta
+    fast = wavelength < scaling.original_context / scaling.high_freq_factor
+    slow = wavelength > scaling.original_context / scaling.low_freq_factor
+    blend = (scaling.original_context / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    middle = (1 - blend) * theta / scaling.factor + blend * theta
+    return np.where(fast, theta, np.where(slow, theta / scaling.factor, middle))
+
+
+def rotary_angles(positions, head_dim, base=10000.0, dtype=None, scaling=None):
+    # positions [..., L] -> (cos, sin), each [..., L, E]: the angle m * theta_i of pair i,
+    # written twice (for both halves of the head dim, as apply_rotary pairs them)
+    theta = rotary_frequencies(head_dim, base, scaling)  # [E/2]
     angle = np.asarray(positions, dtype=np.float64)[..., None] * theta  # [..., L, E/2]
     angle = np.concatenate([angle, angle], axis=-1)  # [..., L, E]
     return np.cos(angle), np.sin(angle)
 
 
-def apply_rotary(x, positions, base=10000.0):
+def apply_rotary(x, positions, base=10000.0, scaling=None):
     # [B, H, L, E] (or [B, L, E], [L, E]), positions [L] or [B, L] -> the shape of x
-    # rotate each pair (x_i, x_{i+E/2}) of a token at position m by the angle m * base^(-2i/E)
+    # rotate each pair (x_i, x_{i+E/2}) of a token at position m by the angle m * theta_i
     x = _f64(x)
     E = x.shape[-1]
-    theta = base ** (-np.arange(0, E, 2) / E)  # [E/2]
+    theta = rotary_frequencies(E, base, scaling)  # [E/2]
     angle = np.asarray(positions, dtype=np.float64)[..., None] * theta  # [..., L, E/2]
     if angle.ndim == 3 and (x.ndim not in (3, 4) or x.shape[0] != angle.shape[0]):
         raise ValueError(f"positions [B, L] need x of that batch; got x {x.shape}")
