@@ -16,6 +16,9 @@ round-robin (one call of each per round):
                           Hugging Face's tests do; on CUDA as generate does by itself)
   HF static [attnlab]     HF static+compile with attn_implementation="attnlab"
 
+and, for attnlab, a decode step with every layer's attention weights on request against the
+step without them (eager, static cache; target <= 1.2x).
+
 Each static case makes its cache once (for the prompt plus ``--new`` tokens) and resets it before
 every generate: its storage keeps its addresses, so a compiled step's CUDA graph is recorded
 once, not in every timed call (a cache made per call would be at new addresses).
@@ -294,6 +297,34 @@ def tie_judge(hf) -> Callable[[torch.Tensor, int, int], str]:
     return judge
 
 
+def weights_step(ours, ids, device: str, rounds: int, steps: int = 8) -> str:
+    """A decode step of attnlab's model with every layer's attention weights (B, H, 1, S) on
+    request, against the same step without (issue 11: <= 1.2x), eager, against a static cache
+    (its empty slots masked), round-robin: each round times ``steps`` steps of each."""
+    sync = device_sync(device)
+    cache = ours.make_cache("static", ids.shape[1] + 2 * (rounds + 1) * steps)
+    token = ids[:, -1:]
+    times = {False: [], True: []}
+    with torch.no_grad():
+        ours(ids, cache=cache)
+        for r in range(rounds + 1):
+            for rw in (False, True):
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    ours(token, cache=cache, return_weights=rw)
+                sync()
+                if r:  # (round 0 warms up)
+                    times[rw].append((time.perf_counter() - t0) / steps)
+    plain, weighted = statistics.median(times[False]), statistics.median(times[True])
+    best = min(times[True]) / min(times[False])
+    return (
+        f"weights at decode (attnlab static, eager, every layer's per-head weights): step "
+        f"{weighted * 1e3:.2f} ms vs {plain * 1e3:.2f} ms without: x{weighted / plain:.2f} "
+        f"(best x{best:.2f}; target <= 1.2)"
+    )
+
+
 def attention_share(ours, ids, device: str, new: int = 8) -> str:
     """Share of a decode step's time spent in attention, from the profiler's operator times."""
     from torch.profiler import ProfilerActivity, profile
@@ -389,6 +420,8 @@ def main() -> None:
             cases = cases_for(hf, ours, ids, new, args.only)
             times, tokens = time_cases(cases, new, rounds, args.device)
             report(times, tokens, batch, new, tie_judge(hf))
+            if args.only != "hf":
+                print("  " + weights_step(ours, ids, args.device, rounds), flush=True)
             if args.attention:
                 print("  " + attention_share(ours, ids, args.device))
             print(f"  (this configuration: {time.perf_counter() - start:.0f} s)", flush=True)

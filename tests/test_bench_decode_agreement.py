@@ -46,3 +46,15 @@ def test_the_judge_tells_a_tie_from_a_real_difference():
     best, worst = int(logits.argmax()), int(logits.argmin())
     assert judge(prefix, best, best).endswith(": a near tie")  # 0 apart: within any error
     assert "NOT a near tie" in judge(prefix, best, worst)  # the whole logit range apart
+
+
+def test_weights_step_times_a_step_with_and_without_weights():
+    from attnlab.models import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4,
+                                   num_kv_heads=2, d_ff=64)).eval()  # fmt: skip
+    said = bench_decode.weights_step(model, torch.randint(0, 64, (2, 5)), "cpu", rounds=2, steps=2)
+    assert said.startswith("weights at decode") and "target <= 1.2" in said
+    ratio = float(said.split(": x")[1].split(" ")[0])
+    assert 0 < ratio < 100

@@ -119,17 +119,25 @@ def test_sdpa_matches_oracle(shape, mask_kind, causal, path):
 @pytest.mark.parametrize(
     "mask_kind,causal", [("bool", "bottom_right"), ("additive", False), ("padding", "top_left")]
 )
-def test_weights_path_in_many_blocks(mask_kind, causal, average, monkeypatch):
-    """Blocks of one query row each must give exactly the same weights as one block."""
+@pytest.mark.parametrize(
+    "nbytes,said",
+    [(1, "blocks of 1 head(s) x 1 query rows"), (4 * 9 * 11 * 8, "blocks of 4 head(s) x 9 query")],
+)
+def test_weights_path_in_many_blocks(mask_kind, causal, average, nbytes, said, monkeypatch):
+    """Blocks of one query row each, or of one batch row (its kv groups folded into rows, the
+    mask on the unfolded view), must give exactly the same weights as one block of both batch
+    rows."""
     import attnlab.functional._weights as weights_module
 
     shape = (2, 4, 2, 9, 11, 8, 4)
     q, k, v = make_qkv(shape)
     mask = make_mask(mask_kind, shape)
     rw = "average" if average else True
+    explained = str(AF.explain(q, k, v, mask, return_weights=rw))
+    assert "blocks of 2 batch rows x 4 head(s) x 9 query rows" in explained
     whole = AF.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, return_weights=rw)
-    monkeypatch.setattr(weights_module, "WEIGHTS_BLOCK_BYTES", 1)
-    assert "blocks of 1 head(s) x 1 query rows" in str(AF.explain(q, k, v, mask, return_weights=rw))
+    monkeypatch.setattr(weights_module, "WEIGHTS_BLOCK_BYTES", nbytes)
+    assert said in str(AF.explain(q, k, v, mask, return_weights=rw))
     rows = AF.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, return_weights=rw)
     torch.testing.assert_close(rows, whole, rtol=0, atol=1e-15)  # GEMV vs GEMM rounding
     want = R.scaled_dot_product_attention(

@@ -40,35 +40,48 @@ inf = float("inf")
 
 
 def block_shape(
-    H: int, L: int, S: int, itemsize: int, nbytes: int | None = None, G: int = 1
-) -> tuple[int, int]:
-    """(heads, rows) of a block of scores of at most ``nbytes`` (``WEIGHTS_BLOCK_BYTES``); a
-    block of at least ``G`` heads (query heads per kv head) holds whole kv groups."""
+    H: int, L: int, S: int, itemsize: int, nbytes: int | None = None, G: int = 1, B: int = 1
+) -> tuple[int, int, int]:
+    """(batch rows, heads, rows) of a block of scores of at most ``nbytes``
+    (``WEIGHTS_BLOCK_BYTES``); a block of at least ``G`` heads (query heads per kv head) holds
+    whole kv groups. All ``B`` batch rows make one block when they fit in it (decoding: B x
+    (H, 1, S)); else a block is part of one batch row."""
     nbytes = WEIGHTS_BLOCK_BYTES if nbytes is None else nbytes
     per_head = L * S * itemsize
+    if B * H * per_head <= nbytes:
+        return B, H, L
     if per_head > nbytes:
-        return 1, max(1, nbytes // (S * itemsize))
+        return 1, 1, max(1, nbytes // (S * itemsize))
     heads = max(1, min(H, nbytes // per_head))
-    return (heads - heads % G if heads >= G else heads), L
+    return 1, (heads - heads % G if heads >= G else heads), L
 
 
 class _Blocks:
     """The blocks of a (B, H, L, S) score tensor and what each needs: kv heads, mask, causal."""
 
-    def __init__(self, q, k, mask, alignment, nbytes=None):
+    def __init__(self, q, k, mask, alignment, nbytes=None, batches=False):
         B, H, L, _ = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         self.shape = (B, H, L, S)
         self.G = G = H // Hkv  # (a block of >= G heads holds whole kv groups: see fold)
-        self.heads, self.rows = block_shape(H, L, S, q.element_size(), nbytes, G)
+        # batches: every batch row in one block when they fit (its b a slice); the backward,
+        # which sums dK and dV per batch row, takes one batch row a block
+        nb, self.heads, self.rows = block_shape(
+            H, L, S, q.element_size(), nbytes, G, B if batches else 1
+        )
+        self.batches = nb > 1
         self.kv_head = torch.arange(H, device=q.device) // (H // Hkv)  # head h reads h // G
         self.mask = None if mask is None else mask.expand(B, H, L, S)  # a view, not a copy
         self.causal = None if alignment is None else causal_keep(L, S, alignment, q.device)
         self.can_die = self.mask is not None or self.causal is not None
 
     def __iter__(self):
-        """Yield (b, heads slice, rows slice, kv heads index)."""
+        """Yield (b, heads slice, rows slice, kv heads index); b an int, or ``slice(None)``
+        (every batch row in one block: see ``batches``)."""
         B, H, L, _ = self.shape
+        if self.batches:
+            yield slice(None), slice(0, H), slice(0, L), self.kv_head
+            return
         for b in range(B):
             for h0 in range(0, H, self.heads):
                 h1 = min(H, h0 + self.heads)
@@ -77,18 +90,23 @@ class _Blocks:
 
     def fold(self, hs: slice, rs: slice) -> int | None:
         """How many kv heads a block spans when its query heads can fold into rows -- whole
-        kv groups, all rows, nothing to mask row by row -- else None. Folded, a block is
-        ``(h, L, *) -> (h / G, G * L, *)`` views and its K, V are slices: no copy of them per
-        query head (what decoding with weights needs)."""
+        kv groups, all rows -- else None. Folded, a block is ``(h, L, *) -> (h / G, G * L, *)``
+        views and its K, V are slices: no copy of them per query head (what decoding with
+        weights needs, its cache's empty slots masked). The mask is applied to the unfolded
+        view, where it broadcasts as it does everywhere (:meth:`mask_`)."""
         L, G = self.shape[2], self.G
         h = hs.stop - hs.start
-        if G == 1 or rs.stop - rs.start != L or h % G or self.can_die:
+        if G == 1 or rs.stop - rs.start != L or h % G:
             return None
         return h // G
 
     def scores_(self, w, qs_blk, kb, b, hs, rs):
         """Write the masked scores of a block into ``w`` (h, r, S); -inf where not allowed."""
         torch.matmul(qs_blk, kb.transpose(-2, -1), out=w)  # (h, r, E) @ (h, E, S)
+        return self.mask_(w, b, hs, rs)
+
+    def mask_(self, w, b, hs, rs):
+        """The mask and the causal triangle on a block's scores ``w`` (h, r, S), in place."""
         keep = None if self.mask is None else self.mask[b, hs, rs]
         if keep is not None and keep.dtype != torch.bool:
             w.add_(keep)  # an additive bias (its -inf entries mask)
@@ -118,35 +136,37 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
         weights.zero_()  # the blocks add into it
     if alignment == "bottom_right" and L == 1:
         alignment = None  # the last position sees every key
-    blocks = _Blocks(q, k, mask, alignment)
-    scratch = q.new_empty(blocks.heads, blocks.rows, S) if average else None
+    blocks = _Blocks(q, k, mask, alignment, batches=True)
+    lead = (B,) if blocks.batches else ()  # a block's leading batch dim, if it has one
+    scratch = q.new_empty(*lead, blocks.heads, blocks.rows, S) if average else None
     qs = q * scale
     for b, hs, rs, kv in blocks:
         h, r = hs.stop - hs.start, rs.stop - rs.start
-        w = scratch[:h, :r] if average else weights[b, hs, rs]
+        w = scratch[..., :h, :r, :] if average else weights[b, hs, rs]  # ([B,] h, r, S)
         n = blocks.fold(hs, rs)
         if n is not None:  # (h, L, *) -> (n, G * L, *): K and V sliced, not gathered
             hk = hs.start // (h // n)
-            kb, vb = k[b, hk : hk + n], v[b, hk : hk + n]  # (n, S, E), (n, S, Ev)
+            kb, vb = k[b, hk : hk + n], v[b, hk : hk + n]  # ([B,] n, S, E), ([B,] n, S, Ev)
             # (the queries reshaped: a copy where they are a view of (B, L, H, E) projections)
-            q_rows = qs[b, hs].reshape(n, -1, qs.shape[-1])  # (h, L, E) -> (n, G * L, E)
+            q_rows = qs[b, hs].reshape(*lead, n, -1, qs.shape[-1])  # -> ([B,] n, G * L, E)
             torch.matmul(q_rows, kb.transpose(-2, -1), out=_fold(w, n))
-            _softmax_(w, None, lse, b, hs, rs)
+            blocks.mask_(w, b, hs, rs)  # (on the ([B,] h, L, S) view)
+            _softmax_(w, blocks.can_die, lse, b, hs, rs)
             torch.matmul(_fold(w, n), vb, out=_fold(out[b, hs], n))
         else:
-            kb, vb = k[b, kv], v[b, kv]  # (h, S, E), (h, S, Ev)
+            kb, vb = k[b, kv], v[b, kv]  # ([B,] h, S, E), ([B,] h, S, Ev)
             blocks.scores_(w, qs[b, hs, rs], kb, b, hs, rs)
             _softmax_(w, blocks.can_die, lse, b, hs, rs)
-            torch.matmul(w, vb, out=out[b, hs, rs])  # (h, r, S) @ (h, S, Ev)
+            torch.matmul(w, vb, out=out[b, hs, rs])  # ([B,] h, r, S) @ ([B,] h, S, Ev)
         if average:
-            weights[b, 0, rs].add_(w.sum(0), alpha=1.0 / H)
+            weights[b, 0, rs].add_(w.sum(-3), alpha=1.0 / H)
     return out, weights
 
 
 def _fold(t: torch.Tensor, n: int) -> torch.Tensor:
-    """(h, L, X) -> (n, h / n * L, X), a view (``view`` raises rather than copy: results are
-    written through it)."""
-    return t.view(n, -1, t.shape[-1])
+    """([B,] h, L, X) -> ([B,] n, h / n * L, X), a view (``view`` raises rather than copy:
+    results are written through it)."""
+    return t.view(*t.shape[:-3], n, -1, t.shape[-1])
 
 
 def _softmax_(w, can_die, lse, b, hs, rs):

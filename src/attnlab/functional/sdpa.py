@@ -198,9 +198,10 @@ def _choose(
             return Dispatch(chosen.path, (*chosen.reasons, f"not the Triton kernels: {unfit}"))
     if return_weights:
         H, Hkv = query.shape[1], key.shape[1]
-        heads, rows = block_shape(
-            H, query.shape[2], key.shape[2], query.element_size(), G=H // Hkv if Hkv else 1
-        )
+        batches, heads, rows = block_shape(
+            H, query.shape[2], key.shape[2], query.element_size(), G=H // Hkv if Hkv else 1,
+            B=query.shape[0] if query.dim() == 4 else 1,
+        )  # fmt: skip
         what = "averaged over heads" if return_weights == "average" else "per head"
         backward = ""
         if grad and return_weights == "average":
@@ -214,7 +215,8 @@ def _choose(
         return Dispatch(
             "weights",
             (
-                f"weights ({what}) and output computed together in blocks of {heads} head(s) x "
+                f"weights ({what}) and output computed together in blocks of "
+                f"{f'{batches} batch rows x ' if batches > 1 else ''}{heads} head(s) x "
                 f"{rows} query rows, written in place: extra memory one block, not (B, H, L, "
                 f"S){backward}",
             ),
