@@ -368,7 +368,10 @@ class LlamaModel(nn.Module):
                 a 2-core CPU; later ones reuse it. That static cache is kept with the model and
                 reset for the next call (the same storage: a CUDA graph holds its address), so
                 concurrent calls on one model must pass their own caches. Greedy tokens equal
-                those of ``compile=False``.
+                those of ``compile=False``, which with a static or sliding cache runs the same
+                step eagerly (:meth:`forward_step`: the slot and mask made once per step, not
+                once per layer; 6-10% faster than :meth:`forward` on a 2-core CPU), and with a
+                dynamic cache :meth:`forward`.
 
         Raises:
             TypeError: ``compile=True`` with a dynamic cache (its storage grows); the fix is
@@ -388,7 +391,9 @@ class LlamaModel(nn.Module):
                 cache = kept_static_cache(self, length, self.cfg.num_layers)
             else:
                 cache = self.make_cache(cache, length)
-        step = DecodeStep(self) if compile else None
+        step = None
+        if compile or isinstance(cache, StaticCache | SlidingWindowCache):
+            step = DecodeStep(self, compile=compile)
         if step is not None:
             step.check_cache_kind(cache)  # before the prefill: fail fast
         past = cache.get_seq_length(0)  # tokens the cache already holds: the prompt follows them
