@@ -644,12 +644,18 @@ def test_smollm2_generate_returns_weights(smollm2):
         assert len(layers) == 30 and layers[0].shape == (B, 9, L, S)
         rows = real[:, None, S - L : S, None]
         for layer in (0, 29):
+            # decode steps: attnlab folds each kv group's 3 query heads into one 3-row product
+            # against the cache where eager runs 3 one-row products; the two orders' float32
+            # errors are draws of one size (attnlab/eager 0.8-2.0 over these steps and layers,
+            # the prefill's equal), so one eager draw can sit at half of attnlab's: the floor
+            # is 8 float32 ulps of the weights' scale there (attnlab's worst: 4.5)
             check(
                 f"smollm2 generate step {step} layer {layer}",
                 layers[layer],
                 ref.attentions[step][layer],
                 eager.attentions[step][layer],
                 rows,
+                ulps=8 if step else 4,
             )
 
 

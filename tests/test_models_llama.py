@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from attnlab.functional import rotary_frequencies  # noqa: E402
 from attnlab.models import LlamaModel  # noqa: E402
+from attnlab.models.decode import DecodeStep  # noqa: E402
 
 
 def hf_logits(model, ids, mask, impl):
@@ -306,3 +307,36 @@ def test_scaled_rotary_models_load_and_match_hugging_face(rope):
     )
     for kind in ("dynamic", "static"):
         assert torch.equal(ours.generate(ids, 8, cache=kind, key_mask=mask.bool()), want), kind
+    # the decode step, traced whole (as compiled) and run on the traced graph: scaled too
+    step = DecodeStep(ours, backend="eager")
+    cache = ours.make_cache("static", ids.shape[1] + 8)
+    with torch.no_grad():
+        token = ours(ids, cache=cache, key_mask=mask.bool())[:, -1:].argmax(-1)
+        got = [token]
+        for _ in range(7):
+            token = step(token, cache)[:, -1:].argmax(-1)
+            got.append(token)
+    assert torch.equal(torch.cat([ids, *got], 1), want)
+
+
+def test_generate_keeps_the_layers_forward_while_hooks_sit_on_them():
+    """generate(compile=False) with a static cache decodes with forward_step, which does not
+    call the blocks' and attention layers' forward: a hook there must still run for every
+    token (the readable forward then), with the same tokens."""
+    from attnlab.models import LlamaConfig
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4,
+                                   num_kv_heads=2, d_ff=64)).eval()  # fmt: skip
+    prompt = torch.randint(0, 64, (2, 5))
+    want = model.generate(prompt, 6, cache="static")
+    assert model._steps_as_forward()
+    calls = []
+    hook = model.blocks[1].attn.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        assert not model._steps_as_forward()
+        assert torch.equal(model.generate(prompt, 6, cache="static"), want)
+    finally:
+        hook.remove()
+    assert len(calls) == 6  # the prefill and 5 decode steps
+    assert model._steps_as_forward()

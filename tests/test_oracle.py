@@ -683,7 +683,15 @@ def test_rotary_scaling_from_hugging_face_parameters():
         ({"rope_type": "yarn", "factor": 4.0}, "rope_type='yarn'"),
         ({"rope_type": "dynamic", "factor": 2.0}, "rope_type='dynamic'"),
         ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
-        ({**llama31, "attention_factor": 1.2}, "attention_factor=1.2"),
+        ({"rope_type": "linear"}, "needs ['factor']"),
+        ({**llama31, "original_max_position_embeddings": None}, "original_max_position_emb"),
     ):
         with pytest.raises(ValueError, match=re.escape(said)):
             AF.RotaryScaling.from_hf(params)
+    # Hugging Face ignores attention_factor for these kinds, and takes the config's context
+    # for a llama3 dict without one
+    assert AF.RotaryScaling.from_hf({**llama31, "attention_factor": 1.3}) == AF.RotaryScaling(
+        "llama3", 8.0, 1.0, 4.0, 8192
+    )
+    short = {k: v for k, v in llama31.items() if k != "original_max_position_embeddings"}
+    assert AF.RotaryScaling.from_hf(short, 4096).original_context == 4096

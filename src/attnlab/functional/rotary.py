@@ -92,39 +92,48 @@ class RotaryScaling:
             )
 
     @classmethod
-    def from_hf(cls, params: dict | None) -> RotaryScaling | None:
+    def from_hf(cls, params: dict | None, context: int | None = None) -> RotaryScaling | None:
         """From a Hugging Face config's ``rope_parameters`` (or older ``rope_scaling``) dict:
-        None for plain rotary frequencies (``rope_type`` "default" or no dict).
+        None for plain rotary frequencies (``rope_type`` "default" or no dict). ``context``: the
+        config's ``max_position_embeddings``, which Hugging Face takes for a "llama3" dict
+        without ``original_max_position_embeddings``. (``attention_factor`` is ignored, as
+        Hugging Face ignores it for these kinds.)
 
         Raises:
-            ValueError: a rope_type other than default, linear and llama3, or one that also
-                rotates part of the head dim only or rescales cos and sin (whose weights would
-                load and give other logits).
+            ValueError: what :func:`unsupported_hf` names (its weights would load and give other
+                logits), or a "linear" or "llama3" dict that lacks a value it needs.
         """
         params = params or {}
+        why = unsupported_hf(params)
+        if why is not None:
+            raise ValueError(f"RotaryScaling.from_hf: this rope dict sets {why}.")
         kind = params.get("rope_type", params.get("type", "default"))
-        extra = {
-            name: params[name]
-            for name in ("partial_rotary_factor", "attention_factor")
-            if params.get(name, 1.0) != 1.0
-        }
-        if kind not in ("default", *SCALING_KINDS) or extra:
-            said = f"rope_type={kind!r}" + "".join(f", {k}={v!r}" for k, v in extra.items())
-            raise ValueError(
-                f"RotaryScaling.from_hf: {said} is not computed here (takes rope_type "
-                f"'default', 'linear' or 'llama3', on the whole head dim)."
-            )
         if kind == "default":
             return None
-        if kind == "linear":
-            return cls("linear", params["factor"])
-        return cls(
-            "llama3",
-            params["factor"],
-            params["low_freq_factor"],
-            params["high_freq_factor"],
-            params["original_max_position_embeddings"],
-        )
+        need = ["factor"]
+        if kind == "llama3":
+            params = {"original_max_position_embeddings": context, **params}
+            need += ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+        missing = [name for name in need if params.get(name) is None]
+        if missing:
+            raise ValueError(
+                f"RotaryScaling.from_hf: rope_type {kind!r} needs {missing}; this dict has "
+                f"{sorted(params)}. Fix: set them as the model's config.json does."
+            )
+        return cls(kind, *(params[name] for name in need))
+
+
+def unsupported_hf(params: dict | None) -> str | None:
+    """What of a Hugging Face rope dict :class:`RotaryScaling` does not compute, said as
+    ``"rope_type='yarn' (takes ...)"``; None when it computes it as Hugging Face does."""
+    params = params or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", *SCALING_KINDS):
+        return f"rope_type={kind!r} (takes 'default', 'linear' or 'llama3')"
+    partial = params.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        return f"partial_rotary_factor={partial!r} (takes 1.0: every feature rotated)"
+    return None
 
 
 def rotary_frequencies(
@@ -139,7 +148,10 @@ def rotary_frequencies(
     Computed in float64 and rounded once to ``dtype``."""
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for rotary embeddings; got {head_dim}.")
-    exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
+    # (MPS has no float64: its frequencies are computed on the CPU; elsewhere on the device,
+    # so that a CUDA graph of a decode step holds no host work)
+    on = "cpu" if torch.device(device or "cpu").type == "mps" else device
+    exponent = torch.arange(0, head_dim, 2, device=on, dtype=torch.float64) / head_dim
     theta = base**-exponent  # (E/2,)
     if scaling is not None:
         if scaling.kind == "linear":
@@ -153,7 +165,7 @@ def rotary_frequencies(
             wavelength = 2 * math.pi / theta
             s = ((c / wavelength - low) / (high - low)).clamp(0.0, 1.0)
             theta = theta * ((1 - s) / scaling.factor + s)
-    return theta.to(dtype)
+    return theta.to(device=device, dtype=dtype)
 
 
 def rotary_angles(

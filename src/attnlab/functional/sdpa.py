@@ -200,7 +200,7 @@ def _choose(
         H, Hkv = query.shape[1], key.shape[1]
         batches, heads, rows = block_shape(
             H, query.shape[2], key.shape[2], query.element_size(), G=H // Hkv if Hkv else 1,
-            B=query.shape[0] if query.dim() == 4 else 1,
+            B=query.shape[0],
         )  # fmt: skip
         what = "averaged over heads" if return_weights == "average" else "per head"
         backward = ""

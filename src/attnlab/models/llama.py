@@ -36,7 +36,13 @@ from attnlab.cache import (
     kept_static_cache,
     write_token,
 )
-from attnlab.functional.rotary import RotaryScaling, check_positions, rotary_angles, rotate_qk
+from attnlab.functional.rotary import (
+    RotaryScaling,
+    check_positions,
+    rotary_angles,
+    rotate_qk,
+    unsupported_hf,
+)
 from attnlab.functional.sdpa import attention_with
 from attnlab.nn import MultiHeadAttention
 
@@ -81,7 +87,9 @@ class LlamaConfig:
             head_dim=getattr(config, "head_dim", None),
             d_ff=config.intermediate_size,
             rope_base=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
-            rope_scaling=RotaryScaling.from_hf(rope),
+            rope_scaling=RotaryScaling.from_hf(
+                rope, getattr(config, "max_position_embeddings", None)
+            ),
             norm_eps=config.rms_norm_eps,
             sliding_window=getattr(config, "sliding_window", None),
             tie_embeddings=config.tie_word_embeddings,
@@ -107,10 +115,9 @@ def _check_hf_config(config) -> None:
     }
     wrong = [f"{name}={got!r} (takes {' or '.join(map(repr, ok))})"
              for name, (got, ok) in found.items() if got not in ok]  # fmt: skip
-    try:
-        RotaryScaling.from_hf(_hf_rope(config))
-    except ValueError as e:
-        wrong.append(str(e).split(": ", 1)[1])
+    rope = unsupported_hf(_hf_rope(config))
+    if rope is not None:
+        wrong.append(rope)
     if wrong:
         raise ValueError(
             f"LlamaModel.from_hf: this config sets {', '.join(wrong)}; attnlab's LlamaModel "
@@ -371,7 +378,11 @@ class LlamaModel(nn.Module):
                 those of ``compile=False``, which with a static or sliding cache runs the same
                 step eagerly (:meth:`forward_step`: the slot and mask made once per step, not
                 once per layer; 6-10% faster than :meth:`forward` on a 2-core CPU), and with a
-                dynamic cache :meth:`forward`.
+                dynamic cache :meth:`forward`. :meth:`forward_step` calls the blocks' norms and
+                projections, not the blocks' and attention layers' ``forward``: while forward
+                hooks sit on those (or the model), or a subclass overrides their ``forward``,
+                ``compile=False`` decodes with :meth:`forward` so that they run for every token
+                (a compiled step never runs them).
 
         Raises:
             TypeError: ``compile=True`` with a dynamic cache (its storage grows); the fix is
@@ -392,7 +403,8 @@ class LlamaModel(nn.Module):
             else:
                 cache = self.make_cache(cache, length)
         step = None
-        if compile or isinstance(cache, StaticCache | SlidingWindowCache):
+        fixed = isinstance(cache, StaticCache | SlidingWindowCache)
+        if compile or (fixed and self._steps_as_forward()):
             step = DecodeStep(self, compile=compile)
         if step is not None:
             step.check_cache_kind(cache)  # before the prefill: fail fast
@@ -433,6 +445,23 @@ class LlamaModel(nn.Module):
                 logits = step(nxt, cache, position_ids=next_pos)
             next_pos = next_pos + 1
         return torch.cat(tokens, dim=1)
+
+    def _steps_as_forward(self) -> bool:
+        """Whether :meth:`forward_step` runs what :meth:`forward` would, hooks included: no
+        forward hook on the model, its blocks or their attention layers (whose ``forward`` it
+        does not call) and none of those ``forward`` overridden."""
+        from torch.nn.modules import module
+
+        if module._global_forward_hooks or module._global_forward_pre_hooks:
+            return False
+        layers = [self, *self.blocks, *(block.attn for block in self.blocks)]
+        if any(m._forward_hooks or m._forward_pre_hooks for m in layers):
+            return False
+        return type(self).forward is LlamaModel.forward and all(
+            type(block).forward is Block.forward
+            and type(block.attn).forward is MultiHeadAttention.forward
+            for block in self.blocks
+        )
 
     @classmethod
     def from_hf(cls, hf_model) -> LlamaModel:
