@@ -340,3 +340,20 @@ def test_generate_keeps_the_layers_forward_while_hooks_sit_on_them():
         hook.remove()
     assert len(calls) == 6  # the prefill and 5 decode steps
     assert model._steps_as_forward()
+
+
+def test_generate_refuses_a_static_cache_too_small_before_any_work():
+    """Before: it failed after decoding some tokens, and its fix named the length it had
+    reached, not the one generate needs."""
+    from attnlab.cache import StaticCache
+    from attnlab.models import LlamaConfig
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4,
+                                   num_kv_heads=2, d_ff=64)).eval()  # fmt: skip
+    prompt = torch.randint(0, 64, (1, 5))
+    cache = StaticCache(10, num_layers=2)
+    with pytest.raises(ValueError, match=r"max_length >= 12"):
+        model.generate(prompt, 8, cache=cache)
+    assert cache.get_seq_length(0) == 0  # nothing written
+    assert model.generate(prompt, 6, cache=cache).shape == (1, 11)  # 5 + 5 written: fits

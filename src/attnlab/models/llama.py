@@ -409,6 +409,13 @@ class LlamaModel(nn.Module):
         if step is not None:
             step.check_cache_kind(cache)  # before the prefill: fail fast
         past = cache.get_seq_length(0)  # tokens the cache already holds: the prompt follows them
+        needed = past + P + max_new_tokens - 1  # (the last new token needs no forward)
+        if isinstance(cache, StaticCache) and needed > cache.max_length:
+            raise ValueError(
+                f"a StaticCache of max_length={cache.max_length} cannot hold {past} cached + {P} "
+                f"prompt + {max_new_tokens - 1} decoded tokens (the last new token is not "
+                f"written). Fix: StaticCache(max_length >= {needed}), or fewer max_new_tokens."
+            )
         if key_mask is not None and P and not bool(key_mask[:, -1].all()):
             rows = (~key_mask[:, -1]).nonzero().flatten().tolist()
             raise ValueError(
