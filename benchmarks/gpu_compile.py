@@ -18,7 +18,7 @@ float32, bfloat16 and float16, for head dims 64, 128 and 256, with no mask, with
 mix (a bool mask, key ranges and a band) and with a float bias. Exits 1 when a kernel does not
 compile, needs more shared memory than the target offers, or, on sm_90, spills registers (the
 tiles were chosen for sm_90 not to, but for the few a GPU timed faster than every tile that does
-not spill: ``SPILLS_TIMED`` in :mod:`attnlab.kernels.triton_additive`; other targets get the
+not spill: ``SPILLS_TIMED`` in :mod:`attnlab.kernels._triton`; other targets get the
 spills reported). Usage::
 
     python benchmarks/gpu_compile.py                 # sm_90 (H100), every case (~3 minutes)
@@ -241,9 +241,9 @@ def main(argv=None, cases=None) -> int:
                                                   "BLOCK_S") if k in kw)  # fmt: skip
             tiles += f" w{kernel.metadata.num_warps} s{kernel.metadata.num_stages}"
             results.append(Compiled(name, config, tiles, regs, spilled, kernel.metadata.shared))
-    from attnlab.kernels.triton_additive import SPILLS_TIMED
+    from attnlab.kernels._triton import SPILLS_TIMED
 
-    timed = {name: f"{b.rows}x{b.keys} w{b.warps} " for name, b in SPILLS_TIMED.items()}
+    timed = {name: f"{rows}x{keys} w{warps} " for name, (rows, keys, warps) in SPILLS_TIMED.items()}
     seen = set()
     print(f"{'kernel':<22}{'config':<34}{'tiles':<16}{'regs':>5}{'spilled':>9}{'shared':>9}")
     for r in results:

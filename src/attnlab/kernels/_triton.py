@@ -24,6 +24,14 @@ import torch
 # whether a kernel is compiled or interpreted, so a later change would not take effect.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
+# Tiles allowed to spill registers because a GPU timed them faster than every tile that does
+# not (benchmarks/gpu_compile.py fails on any other spill): kernel name -> (rows, keys, warps).
+# The additive backward in float32 (~850 B, 1.5-2.5x faster than the tiles that spill nothing,
+# H200); the 16-bit dK/dV kernel at 64 x 64 (16-352 B with Triton 3.9; fwd+bwd with padding at
+# (4, 32, 4096, 128) 12.0 vs 19.6 ms at its spill-free 32 x 32, causal 9.1 vs 12.8; at
+# (8, 16, 1024, 64) 1.43 vs 1.69 and 1.60 vs 1.78 ms; H100, Triton 3.6).
+SPILLS_TIMED = {"_bwd_kernel": (128, 32, 4), "_dkdv_kernel": (64, 64, 4)}
+
 
 @functools.cache
 def installed() -> bool:

@@ -114,7 +114,7 @@ class Tiling:
 # run's noise of each other. The backward walks Dv in chunks of BACKWARD_VALUE_CHUNK; 128 x 32
 # with 4 warps was the fastest of 20 tilings in both dtypes (forward+backward: bfloat16 7.9 ms
 # against 15.9 at the 64 x 64 x 8 before it; float32 11.4 against 18.5), although in float32 it
-# spills registers (~850 B of stores per thread with Triton 3.6 and 3.9: SPILLS_TIMED), as
+# spills registers (~850 B of stores per thread with Triton 3.6 and 3.9), as
 # every float32 tiling of 128 rows does; the tiles that spill nothing were 1.5-2.5x slower.
 # The interpreter: the smallest tiles, so that small test shapes span several tiles.
 WIDE_VALUE = 64
@@ -124,9 +124,7 @@ TILINGS = {
     "cuda, wide values": Tiling(Blocks(32, 32, 8), Blocks(128, 32, 4)),
     "interpreter": Tiling(Blocks(16, 16, 1), Blocks(16, 16, 1)),
 }
-# Tiles allowed to spill registers because a GPU timed them faster than every tile that does
-# not (benchmarks/gpu_compile.py fails on any other spill): kernel name -> (rows, keys, warps).
-SPILLS_TIMED = {"_bwd_kernel": Blocks(128, 32, 4)}
+# (so its float32 backward is in attnlab.kernels._triton.SPILLS_TIMED: a tile allowed to spill)
 
 
 def tiling_for(value_dim: int) -> Tiling:
