@@ -133,6 +133,43 @@ def test_decode_kernel_merges_its_splits_exactly(shape, mask_kind):
     assert err(avg, ref_w.mean(1, keepdims=True)) < 1e-6
 
 
+@pytest.mark.parametrize("weights", [False, True, "average"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_kernel_equals_its_readable_merge(weights, dtype):
+    """Random partials of 4 splits (2 rows with no key in any split, one split with none for
+    all rows, a NaN row): the one-launch merge equals the torch ops it replaced (merge_splits),
+    NaN where NaN, 0 for rows with no key."""
+    B, H, Hkv, L, S, Ev, nsplit = 2, 6, 2, 2, 600, 24, 4  # 600 keys: three weights blocks
+    G, R = H // Hkv, H // Hkv * L
+    g = torch.Generator().manual_seed(0)
+    acc = torch.randn(B, Hkv, nsplit, R, Ev, generator=g)
+    mx = torch.randn(B, Hkv, nsplit, R, generator=g) * 3
+    sm = torch.rand(B, Hkv, nsplit, R, generator=g) * 5 + 1
+    scores = torch.randn(B, H, L, S, generator=g) * 3 - 1
+    mx[:, :, 2] = float("-inf")  # a split that saw no key
+    sm[:, :, 2], acc[:, :, 2] = 0.0, 0.0
+    mx[0, 1, :, 4], sm[0, 1, :, 4], acc[0, 1, :, 4] = float("-inf"), 0.0, 0.0  # dead row
+    scores[0, 1 * G + 4 // L, 4 % L] = float("-inf")
+    mx[1, 0, 1, 3] = float("nan")  # a NaN row
+    want = td.merge_splits(acc, mx, sm, scores, H, L, dtype, weights)
+    BR = max(16, R)
+    out = torch.empty(B, H, L, Ev, dtype=dtype)
+    w = torch.empty(B, H, L, S, dtype=dtype) if weights is True else scores.clone()
+    td._merge_kernel[(B * Hkv, -(-S // td.MERGE_BLOCK_S) if weights else 1)](
+        acc, mx, sm, scores, out, w, H, Hkv, G, L, S, Ev, nsplit,
+        WEIGHTS=bool(weights), BLOCK_R=BR, BLOCK_P=4, BLOCK_EV=32, BLOCK_S=td.MERGE_BLOCK_S,
+    )  # fmt: skip
+    # (bfloat16: one ulp apart, for the interpreter truncates float32 -> bfloat16 where torch
+    # rounds to nearest)
+    tol = {"rtol": 1e-6 if dtype == torch.float32 else 2**-7, "atol": 1e-6, "equal_nan": True}
+    torch.testing.assert_close(out, want[0], **tol)
+    assert out[0, 1 * G + 4 // L, 4 % L].eq(0).all()  # the dead row
+    assert out[1, 0 * G + 3 // L, 3 % L].isnan().all()  # the NaN row
+    if weights:
+        got = w.mean(1, keepdim=True).to(dtype) if weights == "average" else w
+        torch.testing.assert_close(got, want[1], **tol)
+
+
 def test_decode_kernel_with_a_partly_filled_cache():
     """A static cache: keys past each row's fill are garbage the range must exclude."""
     B, H, Hkv, L, S, E = 2, 4, 2, 1, 128, 16
