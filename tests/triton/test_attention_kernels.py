@@ -155,8 +155,9 @@ def test_merge_kernel_equals_its_readable_merge(weights, dtype):
     BR = max(16, R)
     out = torch.empty(B, H, L, Ev, dtype=dtype)
     w = torch.empty(B, H, L, S, dtype=dtype) if weights is True else scores.clone()
-    td._merge_kernel[(B * Hkv, -(-S // td.MERGE_BLOCK_S) if weights else 1)](
-        acc, mx, sm, scores, out, w, H, Hkv, G, L, S, Ev, nsplit,
+    blocks = -(-S // td.MERGE_BLOCK_S) if weights else 1
+    td._merge_kernel[(blocks * B * Hkv,)](
+        acc, mx, sm, scores, out, w, H, Hkv, G, L, S, Ev, nsplit, blocks,
         WEIGHTS=bool(weights), BLOCK_R=BR, BLOCK_P=4, BLOCK_EV=32, BLOCK_S=td.MERGE_BLOCK_S,
     )  # fmt: skip
     # (bfloat16: one ulp apart, for the interpreter truncates float32 -> bfloat16 where torch

@@ -73,8 +73,8 @@ def test_every_launch_happens_inside_the_device_guard(monkeypatch):
 
     names = {name for name, _ in launched}
     assert names == {"_forward_kernel", "_head_weights_kernel", "_weights_kernel",
-                     "_decode_kernel", "_dkdv_kernel", "_dq_kernel", "_fwd_kernel",
-                     "_bwd_kernel"}, names  # fmt: skip
+                     "_decode_kernel", "_merge_kernel", "_dkdv_kernel", "_dq_kernel",
+                     "_fwd_kernel", "_bwd_kernel"}, names  # fmt: skip
     assert all(depth >= 1 for _, depth in launched), launched
     assert set(entered) == {torch.device("cpu")}
 
@@ -103,8 +103,9 @@ def test_grids_stay_within_cudas_limits_for_70000_heads(monkeypatch):
     value = torch.zeros(heads, 2, E, requires_grad=True)
     tadd.additive_attention(a, b, torch.zeros(8), value).sum().backward()
     assert set(grids) == {"_forward_kernel", "_weights_kernel", "_head_weights_kernel",
-                          "_dkdv_kernel", "_dq_kernel", "_decode_kernel", "_fwd_kernel",
-                          "_bwd_kernel", "_kv_kernel", "_rows_kernel"}, grids  # fmt: skip
+                          "_dkdv_kernel", "_dq_kernel", "_decode_kernel", "_merge_kernel",
+                          "_fwd_kernel", "_bwd_kernel", "_kv_kernel",
+                          "_rows_kernel"}, grids  # fmt: skip
     for name, grid in grids.items():
         assert grid[0] <= 2**31 - 1 and all(g <= 65_535 for g in grid[1:]), (name, grid)
         if name != "_weights_kernel":  # (averaged weights: a program sums all heads)

@@ -137,14 +137,13 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_kernel(
-    ACC, MAX, SUM, SC, OUT, W, H, Hkv, G, L, S, EV, NSPLIT,
+    ACC, MAX, SUM, SC, OUT, W, H, Hkv, G, L, S, EV, NSPLIT, NBLOCKS,
     WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_EV: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """The splits of one (batch row, kv head) merged: program (bk, 0) writes the output rows,
-    program (bk, j) the weights of key block j (with ``WEIGHTS``) from the raw scores."""
-    bk = tl.program_id(0).to(tl.int64)
-    sblock = tl.program_id(1)
+    """The splits of one (batch row, kv head) merged: program (j, bk) writes the weights of
+    key block j (with ``WEIGHTS``) from the raw scores, and for j = 0 the output rows."""
+    sblock, bk = _program(NBLOCKS)  # bk = b * Hkv + hk, int64
     b = bk // Hkv
     hk = bk % Hkv
     R = G * L
@@ -255,8 +254,8 @@ def decode_attention(
     weights = torch.empty(B, H, L, S, device=q.device, dtype=q.dtype) if each else scores
     blocks = triton.cdiv(S, MERGE_BLOCK_S) if return_weights else 1
     with _triton.on_device(q):
-        _merge_kernel[(B * Hkv, blocks)](
-            acc, mx, sm, scores, out, weights, H, Hkv, G, L, S, Ev, nsplit,
+        _merge_kernel[(blocks * B * Hkv,)](
+            acc, mx, sm, scores, out, weights, H, Hkv, G, L, S, Ev, nsplit, blocks,
             WEIGHTS=bool(return_weights), BLOCK_R=BR, BLOCK_P=triton.next_power_of_2(nsplit),
             BLOCK_EV=BEV, BLOCK_S=MERGE_BLOCK_S,
         )  # fmt: skip
