@@ -283,6 +283,33 @@ def test_dropout_is_reproducible_under_manual_seed_and_differs_across_seeds(bloc
     assert torch.equal(d, dropped_weights(q, k, generator=torch.Generator().manual_seed(5)))
 
 
+@pytest.mark.parametrize(
+    ("p", "low", "high"),
+    [
+        # p below 2^-8 draws 32-bit: 4M draws at p = 3e-6 drop 12.6 on average (Poisson: 2-30
+        # holds with probability 1 - 1e-4); 16-bit draws round this p to 0 and drop none
+        (3e-6, 2, 30),
+        # p above 1 - 2^-8 too: keep rate 2^-20, ~4 kept (0-16); 16-bit draws keep 2^-16: ~64
+        (1 - 2**-20, 0, 16),
+        # 2^-8 <= p <= 1 - 2^-8 draws 16-bit: p = 0.3 rounds to 19661/65536 (+4e-6), ~2.9M kept
+        (0.3, None, None),
+    ],
+)
+def test_dropout_p_far_from_one_half_keeps_its_rate(p, low, high):
+    q = torch.zeros(1, 1, 2048, 4)  # every weight 1/2048: a zero is a drop, nothing else
+    k = torch.randn(1, 1, 2048, 4, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(4)
+    w = dropped_weights(q, k, p=p)
+    n = w.numel()
+    dropped = int((w == 0).sum())
+    if low is not None:  # the rare outcome's count
+        rare = dropped if p < 0.5 else n - dropped
+        assert low <= rare <= high, (p, rare)
+    else:  # 5 standard errors: 0.0012
+        assert abs(dropped / n - p) < 5 * (p * (1 - p) / n) ** 0.5, dropped / n
+    torch.testing.assert_close(w[w != 0], torch.full_like(w[w != 0], 1 / 2048 / (1 - p)))
+
+
 def test_dropout_blocks_draw_different_masks(blocks):
     """Blocks of one call do not repeat one another's draws (a seed per block, not per call)."""
     q, k, _ = inputs(1, 1, 1, 12, 12, 4, 4, dtype=F64)

@@ -39,9 +39,10 @@ rounding either way); elsewhere (AVX2, where a bf16 ``bmm`` runs at < 1 GFLOP/s)
 inputs are widened to float32 once.
 
 Dropout: one int64 seed per call (from ``generator`` or torch's default generator); block
-``n`` draws its keep mask from ``torch.Generator().manual_seed(seed + n)``, so the backward
-regenerates exactly the forward's mask and nothing of size (B, H, L, S) is stored. The draws
-depend on the tiling: the same seed gives the same mask for the same shapes and block sizes.
+``n`` draws its keep mask from a generator seeded with ``(seed, n)`` (:meth:`_Plan.kept`), so
+the backward regenerates exactly the forward's mask and nothing of size (B, H, L, S) is stored.
+The draws depend on the tiling: the same seed gives the same mask for the same shapes and block
+sizes. The backward folds the mask into ``P`` once (``W = P Z``): ``dS = W dP - P D``.
 
 Bound: 7 GEMMs of 2 B H L S E FLOP each (2 forward; backward: S again, dV, dP, dQ, dK) at the
 CPU's GEMM rate, plus ~10 passes over each block of scores in cache (exp2, masks, draws).
@@ -55,6 +56,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -248,17 +250,22 @@ class _Plan:
     def kept(self, n, shape, scratch):
         """Block n's dropout keep mask, 1.0 or 0.0: the same draws in forward and backward.
 
-        Each 64-bit draw gives two uniform int32 ``x``; kept iff ``x >= -2^31 + p 2^32`` (p is
-        rounded to a multiple of 2^-32, finer than ``torch.rand``'s 2^-24; 1.6x faster). The
-        mask is written in the softmax dtype, not as bools: comparing into floats and
-        multiplying by them is ~4x faster on CPU than through a bool tensor (measured).
+        Block n's bits come from numpy's SFC64 seeded with ``(seed, n)`` (2x torch's generator,
+        which is serial and draws one word per element). Each 64-bit word gives four int16
+        ``x`` when ``2^-8 <= p <= 1 - 2^-8`` (p rounded to a multiple of 2^-16: the keep rate
+        within 2^-17, at most 2^-9 of p or of 1 - p; FlashAttention rounds it to 1/255), else
+        two int32 (p to 2^-32); kept iff ``x >= -2^(w-1) + p 2^w``. The mask is written in the
+        softmax dtype, not as bools: comparing into floats and multiplying by them is ~4x
+        faster on CPU than through a bool tensor (measured).
         """
-        g, size = torch.Generator().manual_seed(self.seed + n), math.prod(shape)
-        bits = scratch_view(scratch, "r", ((size + 1) // 2,), torch.int64)
-        x = bits.random_(-(2**63), None, generator=g).view(torch.int32)[:size].view(shape)
+        size = math.prod(shape)
+        width = 16 if 2**-8 <= self.p <= 1 - 2**-8 else 32
+        per_word = 64 // width
+        words = np.random.SFC64([self.seed, n]).random_raw((size + per_word - 1) // per_word)
+        x = torch.from_numpy(words.view(f"int{width}"))[:size].view(shape)
         keep = scratch_view(scratch, "k", shape, self.dtype)
-        dropped = min(round(self.p * 2**32), 2**32 - 1)  # (p within 2^-33 of 1: one x kept)
-        return torch.ge(x, -(2**31) + dropped, out=keep)
+        dropped = min(round(self.p * 2**width), 2**width - 1)  # (p near 1: one x kept)
+        return torch.ge(x, -(2 ** (width - 1)) + dropped, out=keep)
 
     def forward_block(self, task, out, lse, scratch):
         """Output rows and their (base 2) lse of one block: exact softmax over keys 0:kmax."""
@@ -313,8 +320,7 @@ class _Plan:
             kb, vb = self.k[bs, js, :kmax].flatten(0, 1), self.v[bs, js, :kmax].flatten(0, 1)
             W = P
             if p > 0:
-                keep = self.kept(n, P.shape, scratch)
-                W = torch.mul(P, keep, out=scratch_view(scratch, "w", P.shape, P.dtype))
+                W = self.kept(n, P.shape, scratch).mul_(P)  # P Z: the mask's buffer, in place
             dv_blk = dv[bs, js, :kmax].view(-1, kmax, Ev)  # (n, kmax, Ev), a view (never a copy)
             if once:
                 dv_blk.add_(torch.bmm(W.transpose(1, 2).to(mm), dob))
@@ -323,14 +329,14 @@ class _Plan:
             dp = scratch_view(scratch, "dp", P.shape, mm)
             if mm != self.dtype:  # bf16 products: dP = dO V^T is rounded; D is its own row sum
                 dp = torch.bmm(dob, vb.transpose(1, 2), out=dp).to(self.dtype)
-                dS = (dp.mul_(keep) if p > 0 else dp).mul_(P)  # P * dP (kept)
+                dS = dp.mul_(W)  # P * dP (kept; W = P without dropout)
                 # D = sum_j P_ij dP_ij of this rounded dP (a block holds whole rows), not dO . O
                 # of the rounded output: each row of dS then sums to 0, as the naive formula's
                 # does; D from the output made dQ, dK 1.2-1.4x the naive error (median)
                 dS.addcmul_(P, dS.sum(-1, keepdim=True), value=-1.0)  # P * (dP - D)
             elif p > 0:
-                dp = torch.bmm(dob, vb.transpose(1, 2), out=dp).mul_(keep).sub_(D_b)
-                dS = dp.mul_(P)  # P * (dP - D)
+                dp = torch.bmm(dob, vb.transpose(1, 2), out=dp)  # P (Z dP - D), in two passes
+                dS = dp.mul_(W).addcmul_(P, D_b, value=-1.0)
             else:  # dO V^T - D in one GEMM
                 dp = torch.baddbmm(D_b.neg().expand(dp.shape), dob, vb.transpose(1, 2), out=dp)
                 dS = dp.mul_(P)  # P * (dP - D)
