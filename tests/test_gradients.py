@@ -66,8 +66,10 @@ def test_score_functions_gradcheck():
 
 
 @pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one-block", "row-by-row"])
-def test_additive_gradcheck(chunk_bytes, monkeypatch):
+@pytest.mark.parametrize("tanh", ["tanh", "sigmoid"])
+def test_additive_gradcheck(chunk_bytes, tanh, monkeypatch):
     """The hand-written backward (recomputing tanh block by block) is the true gradient."""
+    monkeypatch.setenv(additive_module.TANH_ENV, tanh)
     if chunk_bytes is not None:
         monkeypatch.setattr(additive_module, "CHUNK_BYTES", chunk_bytes)
     q, k, v = leaf(2, 3, 4, seed=1), leaf(2, 5, 3, seed=2), leaf(2, 5, 2, seed=3)

@@ -26,7 +26,10 @@ above for what it does not take (weights requested, dropout, float64, ...);
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import time
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -53,17 +56,56 @@ def _rows_per_chunk(t: torch.Tensor, num_keys: int, attn_dim: int, chunk_bytes: 
     return max(1, chunk_bytes // (t.element_size() * max(1, num_keys * attn_dim)))
 
 
-def _half_tanh(a_i: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = tanh(a_i + b) / 2, via tanh(x) = 2 sigmoid(2x) - 1; a_i, b are pre-doubled.
+TANH_ENV = "ATTNLAB_CPU_TANH"
+TANH_SETTINGS = ("measure", "tanh", "sigmoid")
 
-    On CPU torch's sigmoid runs ~5x faster than its tanh (measured: 1.1 vs 5.3 ms for 8 MiB
-    of float32, one thread). The price is an *absolute* error: sigmoid(2x) is rounded near
-    1/2, so tanh(x)/2 carries up to ~6e-8 (a float32 ulp of 1/2) however small x is, where a
-    plain tanh's error is relative. Weights and outputs keep a naive float32 control's error
-    (a softmax sees score differences); the scores, and the gradient of ``w``, lose relative
-    precision when every pre-activation is small (|x| ~ 1e-2: ~8x the control's error).
+
+def tanh_by_sigmoid() -> bool:
+    """Whether the blocked path computes tanh as ``2 sigmoid(2x) - 1`` (else ``torch.tanh``).
+
+    ``torch.tanh`` has a relative error. ``sigmoid(2x) - 1/2`` is rounded near 1/2, so it
+    carries up to ~6e-8 *absolute* error however small x is: weights and outputs keep a naive
+    float32 control's error (a softmax sees score differences), but the scores and the gradient
+    of ``w`` lose relative precision when every pre-activation is small (|x| ~ 1e-2: ~8x the
+    control's error, 5-48x for dw). It is taken only where it is much faster, and CPUs differ
+    (one thread, float32: on an AMD Zen 4 sigmoid took 1.1 ms and tanh 5.3 ms per 8 MiB; on an
+    Intel Xeon with AMX tanh 0.66 ns and sigmoid 1.18 ns per element).
+
+    ``ATTNLAB_CPU_TANH``: ``tanh``, ``sigmoid``, or ``measure`` (the default: sigmoid only if
+    it runs in less than 2/3 of tanh's time, measured once per process, ~2 ms).
     """
+    setting = os.environ.get(TANH_ENV, "measure")
+    if setting not in TANH_SETTINGS:
+        raise ValueError(
+            f"{TANH_ENV} must be one of {', '.join(TANH_SETTINGS)}; got {setting!r}. Unset it "
+            "to let attnlab measure which is faster here."
+        )
+    return setting == "sigmoid" if setting != "measure" else _sigmoid_much_faster()
+
+
+@functools.cache
+@torch.compiler.disable
+def _sigmoid_much_faster() -> bool:
+    x = torch.randn(2**18, generator=torch.Generator().manual_seed(0))
+    out = torch.empty_like(x)
+    best = {"sigmoid": math.inf, "tanh": math.inf}
+    for _ in range(5):
+        for name in best:
+            start = time.perf_counter()
+            if name == "sigmoid":
+                torch.sigmoid(x, out=out).sub_(0.5)
+            else:
+                torch.tanh(x, out=out)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best["sigmoid"] < best["tanh"] * 2 / 3
+
+
+def _tanh(a_i: torch.Tensor, b: torch.Tensor, out: torch.Tensor, c: float) -> torch.Tensor:
+    """out = c tanh(x), x = (a_i + b) / (2c): c = 1 (``torch.tanh``) or 1/2 (via
+    ``tanh(x) = 2 sigmoid(2x) - 1``, a_i and b pre-doubled); see :func:`tanh_by_sigmoid`."""
     torch.add(a_i[:, None, :], b[None, :, :], out=out)  # (r, 1, A) + (1, S, A) -> (r, S, A)
+    if c == 1.0:
+        return torch.tanh(out, out=out)
     return torch.sigmoid(out, out=out).sub_(0.5)
 
 
@@ -71,20 +113,20 @@ class _AdditiveScores(torch.autograd.Function):
     """s[n, i, j] = w . tanh(a[n, i] + b[n, j]) without storing the (N, L, S, A) tanh."""
 
     @staticmethod
-    def forward(ctx, a, b, w, chunk_bytes):  # a (N, L, A), b (N, S, A), w (A,)
+    def forward(ctx, a, b, w, chunk_bytes, c):  # a (N, L, A), b (N, S, A), w (A,); c: _tanh
         N, L, A = a.shape
         S = b.shape[1]
         rows = _rows_per_chunk(a, S, A, chunk_bytes)
-        a2, b2, w2 = 2 * a, 2 * b, 2 * w
+        a2, b2, w2 = (a, b, w) if c == 1.0 else (a / c, b / c, w / c)
         scores = a.new_empty(N, L, S)
         buf = a.new_empty(min(rows, L) * S * A)
         for n in range(N):
             for i in range(0, L, rows):
                 r = min(rows, L - i)
-                t = _half_tanh(a2[n, i : i + r], b2[n], buf[: r * S * A].view(r, S, A))
+                t = _tanh(a2[n, i : i + r], b2[n], buf[: r * S * A].view(r, S, A), c)
                 torch.matmul(t, w2, out=scores[n, i : i + r])  # (r, S, A) @ (A,) -> (r, S)
         ctx.save_for_backward(a, b, w)
-        ctx.chunk_bytes = chunk_bytes
+        ctx.chunk_bytes, ctx.c = chunk_bytes, c
         return scores
 
     @staticmethod
@@ -93,8 +135,9 @@ class _AdditiveScores(torch.autograd.Function):
         a, b, w = ctx.saved_tensors
         N, L, A = a.shape
         S = b.shape[1]
+        c = ctx.c
         rows = _rows_per_chunk(a, S, A, ctx.chunk_bytes)
-        a2, b2 = 2 * a, 2 * b
+        a2, b2 = (a, b) if c == 1.0 else (a / c, b / c)
         grad = grad.contiguous()
         da, db, dw = torch.empty_like(a), torch.zeros_like(b), torch.zeros_like(w)
         buf = a.new_empty(min(rows, L) * S * A)
@@ -102,12 +145,12 @@ class _AdditiveScores(torch.autograd.Function):
             for i in range(0, L, rows):
                 r = min(rows, L - i)
                 g = grad[n, i : i + r]  # (r, S)
-                h = _half_tanh(a2[n, i : i + r], b2[n], buf[: r * S * A].view(r, S, A))
-                dw += 2 * (g.reshape(1, -1) @ h.view(-1, A)).view(A)  # sum_ij g_ij t_ij
-                h.square_().mul_(-4.0).add_(1.0).mul_(w).mul_(g[..., None])  # g w (1 - t^2)
+                h = _tanh(a2[n, i : i + r], b2[n], buf[: r * S * A].view(r, S, A), c)  # c t
+                dw += (g.reshape(1, -1) @ h.view(-1, A)).view(A) / c  # sum_ij g_ij t_ij
+                h.square_().mul_(-1.0 / c**2).add_(1.0).mul_(w).mul_(g[..., None])  # g w (1-t^2)
                 da[n, i : i + r] = h.sum(1)
                 db[n] += h.sum(0)
-        return da, db, dw, None
+        return da, db, dw, None, None
 
 
 def additive_scores(
@@ -158,8 +201,9 @@ def _scores(query, key, w_query, w_key, w_score, bias) -> torch.Tensor:
     N = math.prod(lead)
     a3 = a.expand(*lead, *a.shape[-2:]).reshape(N, *a.shape[-2:])  # (N, L, A)
     b3 = b.expand(*lead, *b.shape[-2:]).reshape(N, *b.shape[-2:])  # (N, S, A)
+    c = 0.5 if tanh_by_sigmoid() else 1.0
     scores = _AdditiveScores.apply(
-        a3.contiguous(), b3.contiguous(), w_score.to(dtype).contiguous(), CHUNK_BYTES
+        a3.contiguous(), b3.contiguous(), w_score.to(dtype).contiguous(), CHUNK_BYTES, c
     )
     return scores.view(*lead, a.shape[-2], b.shape[-2])
 
@@ -335,7 +379,8 @@ def explain_additive(
         "chunked",
         (
             f"the fused Triton kernel does not serve: {why}",
-            f"tanh in blocks of {rows} query rows x {S} keys x A={A} in one "
+            f"tanh ({'2 sigmoid(2x) - 1' if tanh_by_sigmoid() else 'torch.tanh'}) in blocks of "
+            f"{rows} query rows x {S} keys x A={A} in one "
             f"{CHUNK_BYTES / 2**20:g} MiB buffer, (..., L, S) scores stored, recomputed tanh in "
             "the backward",
         ),
