@@ -115,9 +115,9 @@ def _check_hf_config(config) -> None:
     }
     wrong = [f"{name}={got!r} (takes {' or '.join(map(repr, ok))})"
              for name, (got, ok) in found.items() if got not in ok]  # fmt: skip
-    rope = unsupported_hf(_hf_rope(config))
-    if rope is not None:
-        wrong.append(rope)
+    rope_refusal = unsupported_hf(_hf_rope(config))  # None, or what the scaling sets
+    if rope_refusal is not None:
+        wrong.append(rope_refusal)
     if wrong:
         raise ValueError(
             f"LlamaModel.from_hf: this config sets {', '.join(wrong)}; attnlab's LlamaModel "
