@@ -271,6 +271,59 @@ def test_generate_refuses_a_right_padded_prompt():
         model.generate(ids, 4, key_mask=km)
 
 
+def test_a_sliding_window_refuses_padding_after_a_real_token():
+    # before: accepted; the window counted slots (padding included) while positions counted
+    # real tokens, so a right-padded or inner-padded row's logits were off by up to ~170 and
+    # its greedy tokens differed from the row run alone
+    model = _sharp_tiny_llama(sliding_window=2)
+    ids = torch.tensor([[7, 8, 9, 0, 0], [3, 4, 5, 6, 9]])
+    right = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    inner = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    for km in (right, inner):
+        with pytest.raises(ValueError, match=r"row\(s\) \[0\] pad after a real token.*left-pad"):
+            model(ids, cache=model.make_cache("dynamic"), key_mask=km)
+    with pytest.raises(ValueError, match=r"row\(s\) \[0\] pad after a real token"):
+        model.generate(ids, 2, key_mask=inner)
+    cache = model.make_cache("dynamic")
+    with torch.no_grad():
+        model(torch.tensor([[3, 4], [1, 2]]), cache=cache)
+    with pytest.raises(ValueError, match="padding follows the 2 token"):  # a padded chunk
+        model(ids[:, :2], cache=cache, key_mask=torch.tensor([[0, 1], [1, 1]], dtype=torch.bool))
+    # left padding of a new sequence stays right: row 0 equals itself run alone
+    left = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    ids = torch.tensor([[0, 0, 7, 8, 9], [3, 4, 5, 6, 9]])
+    with torch.no_grad():
+        got = model(ids, key_mask=left)[0, -1]
+        want = model(torch.tensor([[7, 8, 9]]))[0, -1]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    # without a window, padding anywhere is right (positions and the mask agree)
+    model = _sharp_tiny_llama()
+    with torch.no_grad():
+        got = model(torch.tensor([[7, 0, 8, 9]]), key_mask=torch.tensor([[1, 0, 1, 1]]).bool())[
+            0, -1
+        ]
+        want = model(torch.tensor([[7, 8, 9]]))[0, -1]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_generate_checks_key_mask_and_max_new_tokens():
+    model = _sharp_tiny_llama()
+    ids = torch.tensor([[7, 8, 9, 0], [3, 4, 5, 6]])
+    # before: an int64 mask (a tokenizer's attention_mask) was read with ~ as bitwise not, and
+    # the error named both rows; a (B,) mask raised a bare IndexError
+    for km, got in [
+        (torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]), r"\(2, 4\) torch.int64"),
+        (torch.ones(2, dtype=torch.bool), r"\(2,\) torch.bool"),
+        (torch.ones(2, 5, dtype=torch.bool), r"\(2, 5\) torch.bool"),
+    ]:
+        with pytest.raises(ValueError, match=r"key_mask must be a \(B, L\) = \(2, 4\) bool.*"
+                           + got + r".*attention_mask.bool\(\)"):  # fmt: skip
+            model.generate(ids, 2, key_mask=km)
+    for n in (0, -3, 2.0):  # before: the prompt came back after a full prefill
+        with pytest.raises(ValueError, match=f"max_new_tokens must be an int >= 1; got {n}"):
+            model.generate(ids, n)
+
+
 @pytest.mark.parametrize(
     "rope",
     [

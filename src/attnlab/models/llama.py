@@ -237,6 +237,8 @@ class LlamaModel(nn.Module):
         Hugging Face's argument: a prefill needs the last one (projecting every prompt position
         onto the vocabulary is a fifth of a prefill's work at SmolLM2's shape).
         """
+        if key_mask is not None:
+            self._check_key_mask(key_mask, input_ids, cache)
         counts = None if cache is None else cache.token_counts(0)  # (B,) when it holds padding
         if position_ids is None and (key_mask is not None or counts is not None):
             # each row counts from its own first real token, after the real tokens it has seen
@@ -341,6 +343,45 @@ class LlamaModel(nn.Module):
             return SlidingWindowCache(self.cfg.sliding_window, self.cfg.num_layers)
         raise ValueError(f"kind must be 'dynamic', 'static' or 'sliding'; got {kind!r}.")
 
+    def _check_key_mask(self, key_mask, input_ids, cache) -> None:
+        """``key_mask`` (B, L) bool; with a sliding window, left padding of an empty cache only.
+
+        Positions count each row's real tokens, but the window is measured in cache slots,
+        which count padding: the two agree only while every pad comes before the row's first
+        real token (a pad after one pushed real keys out of the window: logits off by ~100).
+        """
+        B, L = input_ids.shape
+        if (
+            not isinstance(key_mask, torch.Tensor)
+            or key_mask.dtype != torch.bool
+            or (key_mask.shape != (B, L))
+        ):
+            got = (
+                f"{tuple(key_mask.shape)} {key_mask.dtype}"
+                if torch.is_tensor(key_mask)
+                else type(key_mask).__name__
+            )
+            raise ValueError(
+                f"key_mask must be a (B, L) = {(B, L)} bool tensor, True = real token; got "
+                f"{got}. Fix: key_mask=attention_mask.bool() for a tokenizer's 0/1 mask."
+            )
+        window = self.cfg.sliding_window
+        if window is None:
+            return
+        late = (key_mask[:, :-1] & ~key_mask[:, 1:]).any(1)  # a real token, then a pad
+        past = 0 if cache is None else cache.get_seq_length(0)
+        if bool(late.any()) or (past and not bool(key_mask.all())):
+            rows = late.nonzero().flatten().tolist()
+            where = f"row(s) {rows} pad after a real token" if rows else (
+                f"padding follows the {past} token(s) the cache holds"
+            )  # fmt: skip
+            raise ValueError(
+                f"key_mask: {where}. With sliding_window={window} the window counts cache "
+                f"slots, padding included, while positions count real tokens: they agree for "
+                f"left padding of a new sequence only. Fix: left-pad the prompts (tokenizer "
+                f"padding_side='left') and give key_mask only with an empty cache."
+            )
+
     @torch.no_grad()
     def generate(
         self,
@@ -393,6 +434,17 @@ class LlamaModel(nn.Module):
         from attnlab.models.decode import DecodeStep
 
         B, P = input_ids.shape
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or (max_new_tokens < 1)
+        ):
+            raise ValueError(
+                f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}. Fix: to score a "
+                f"prompt without generating, call the model itself."
+            )
+        if key_mask is not None:
+            self._check_key_mask(key_mask, input_ids, None)
         if cache is None:
             cache = "static" if compile else "dynamic"
         if isinstance(cache, str):

@@ -190,7 +190,10 @@ class MultiHeadAttention(nn.Module):
             key_mask: (B, S) bool, True = real token. With a ``cache``: (B, L) for the
                 new tokens only; the cache remembers it.
             is_causal: overrides the layer's default. With a cache, causality is always
-                bottom-right: the new tokens come after the cached ones.
+                bottom-right: the new tokens come after the cached ones. A non-causal layer
+                with a cache lets each new token see the cached and new tokens only (what a
+                prefix holds), so token-by-token outputs differ from one call on the whole
+                sequence, where earlier tokens also see later ones.
             cache: a :mod:`attnlab.cache` cache (self-attention only); the new keys/values are
                 appended under ``self.layer_idx``.
             position_ids: (L,) or (B, L) positions for RoPE; default: after the cached tokens.
