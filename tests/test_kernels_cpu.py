@@ -199,6 +199,31 @@ def test_bf16_training_takes_heads_that_are_views_of_projections(blocks, monkeyp
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("huge", ["min", "-max/2", "max"])
+def test_a_row_a_huge_bias_absorbs_is_uniform_with_its_gradients(blocks, dtype, huge):
+    """Before: a bias past +-2.4e38 (finfo.min, HF's mask value) overflowed in base 2 (log2(e)
+    times it): a row it covered entirely was dead (0, not the oracle's uniform weights) and
+    +finfo.max made a NaN row; and the backward rebuilt P from the lse, which rounded the log of
+    the row's sum away: a flat row's P was 1, not 1/S (dV S times too large)."""
+    B, H, Hkv, L, S, E = 2, 4, 2, 5, 7, 8
+    q, k, v = inputs(B, H, Hkv, L, S, E, E, dtype=dtype, seed=3, grad=True)
+    top = torch.finfo(dtype).max
+    value = {"min": -top, "-max/2": -top / 2, "max": top}[huge]  # scores absorbed, either dtype
+    bias = torch.zeros(B, 1, L, S, dtype=dtype)
+    bias[:, :, 1] = value  # row 1: every key carries it (uniform weights)
+    bias[:, :, 3, :2] = value  # row 3: two keys (gone, or all the weight for +max)
+    out = flash_attention(q, k, v, bias, None, 0.5, 0.0)
+    want = oracle(q, k, v, bias, None, 0.5)
+    tol = 1e-12 if dtype == F64 else 2e-6
+    np.testing.assert_allclose(out.detach().double().numpy(), want, rtol=0, atol=tol)
+    up = torch.randn(B, H, L, E, dtype=dtype, generator=torch.Generator().manual_seed(4))
+    got = torch.autograd.grad(out, (q, k, v), up)
+    ref = torch.autograd.grad(_eager(q, k, v, bias, None, 0.5, 0.0)[0], (q, k, v), up)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=tol * 10)
+
+
 def test_an_expanded_mask_is_sliced_not_materialised(blocks):
     B, H, L, S = 2, 4, 6, 7
     small = torch.rand(B, 1, 1, S, generator=torch.Generator().manual_seed(0)) > 0.3

@@ -10,6 +10,9 @@ Math (per head; ``s`` the scale, ``M`` 0 / -inf from the mask and the causal tri
     dQ = s dS K     dK = s dS^T Q
 
 A row with no attendable key gets ``lse = +inf``, so its ``P`` row is 0: output 0, gradients 0.
+The forward saves each row's max ``m`` and ``log sum_j exp(S_ij - m)`` apart (``lse`` is their
+sum): a row whose scores a huge bias absorbed (``finfo.min`` on every key: uniform weights, as
+the oracle's) has ``|m|`` so large that ``lse`` would round its second part away.
 
 Tiling. A block is a range of query rows (``BLOCK_ROWS`` per head) of several whole kv heads
 (of one batch row, or of several), against **every key the block can see** at once -- no loop
@@ -23,9 +26,10 @@ over key blocks with an online softmax: on a CPU a block of scores fits in cache
 
 Causal blocks stop at ``kmax`` (half the work at L = S); only columns past the block's first
 row get the triangle, built from positions (never the (L, S) mask). A mask is sliced per block
-from its broadcast shape. The forward saves Q, K, V, O and the row ``lse`` (B, H, L); the
-backward recomputes ``P`` block by block from ``lse``. Scores are kept in base 2 (``log2(e) s``
-folded into Q, ``exp2`` is ~2x faster than ``exp`` on CPU).
+from its broadcast shape. The forward saves Q, K, V, O and the row statistics (B, H, L, 2); the
+backward recomputes ``P`` block by block from them. Scores are kept in base 2 (``log2(e) s``
+folded into Q; ``exp2`` was ~2x faster than ``exp`` on a Zen 4, level with it on a Xeon with
+AVX512), except with a float mask: ``log2(e)`` times a bias past +-2.4e38 would overflow.
 
 Threads (:mod:`attnlab.kernels._threads`): ``torch.get_num_threads()`` Python threads each run
 whole blocks single-threaded. Forward: a thread takes the next block. Backward: a thread owns a
@@ -69,6 +73,9 @@ BLOCK_BYTES = 2 * 2**20  # float32 scores of one block (at least one head x G*BL
 # fwd+bwd 11-17% faster at L = 512-1,536 (measured; at 2,048 one block is 20% slower)
 ONE_BLOCK_BYTES_BF16 = 8 * 2**20
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
+# a row max past this (in the plan's unit) gets P from the max and the sum apart in the backward:
+# the lse's rounding (half an ulp of the max, 2^-14 here) would otherwise count against P
+HUGE_MAX = 2.0**10
 inf = float("inf")
 
 
@@ -139,16 +146,16 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, alignment, scale, dropout_p, seed):
-        out, lse = _forward(q, k, v, mask, alignment, scale, dropout_p, seed)
-        ctx.save_for_backward(q, k, v, out, lse, mask)
+        out, stats = _forward(q, k, v, mask, alignment, scale, dropout_p, seed)
+        ctx.save_for_backward(q, k, v, out, stats, mask)
         ctx.args = (alignment, scale, dropout_p, seed)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        grads = _backward(dout, q, k, v, out, lse, mask, *ctx.args)
+        q, k, v, out, stats, mask = ctx.saved_tensors
+        grads = _backward(dout, q, k, v, out, stats, mask, *ctx.args)
         return (*grads, None, None, None, None, None)
 
 
@@ -173,7 +180,10 @@ class _Plan:
             self.batches, self.heads = min(B, max(1, BLOCK_BYTES // (per_head * Hkv))), Hkv
         else:  # one batch row, some heads
             self.batches, self.heads = 1, max(1, BLOCK_BYTES // per_head)
-        self.scale, self.scale2 = scale, scale * LOG2E  # 2^(x log2 e) = e^x: exp2 is ~2x faster
+        # scores in base 2 (2^(x log2 e) = e^x: exp2 was ~2x faster than exp on a Zen 4), but
+        # with a float mask in natural units: log2(e) times a bias beyond +-2.4e38 overflows
+        self.unit = 1.0 if mask is not None and mask.is_floating_point() else LOG2E
+        self.scale, self.scale2 = scale, scale * self.unit
         self.p, self.seed = dropout_p, seed
         self.mask = _mask5(mask, self)
 
@@ -203,7 +213,8 @@ class _Plan:
         self.k, self.v = k.detach().to(self.mm_dtype), v.detach().to(self.mm_dtype)
 
     def scores(self, bs, js, r0, r1, kmax, scratch, shift=None):
-        """Block scores in base 2, ``log2(e) s Q K^T + M - shift``, (n, G*R, kmax), -inf = masked.
+        """Block scores in the plan's unit, ``u (s Q K^T + M) - shift``, (n, G*R, kmax), -inf =
+        masked; ``u`` is log2(e) (base 2) or 1 (with a float mask: :meth:`exp_`).
 
         ``shift`` (n, G*R, 1) is subtracted inside the GEMM (``baddbmm``: no pass of its own).
         """
@@ -237,8 +248,8 @@ class _Plan:
             m = m[..., :kmax] if m.shape[4] > 1 else m
             if m.dtype == torch.bool:  # True = masked here (inverted once, see _mask5)
                 s5.masked_fill_(m, -inf)
-            else:  # the bias, in base 2, in the softmax dtype (no copy of the mask)
-                s5.add_(m, alpha=LOG2E)
+            else:  # the bias, in natural units, in the softmax dtype (no copy of the mask)
+                s5.add_(m)
         if self.offset is not None:  # keys past the block's first row: the triangle
             c0 = max(0, r0 + self.offset + 1)
             if c0 < kmax:
@@ -267,8 +278,13 @@ class _Plan:
         dropped = min(round(self.p * 2**width), 2**width - 1)  # (p near 1: one x kept)
         return torch.ge(x, -(2 ** (width - 1)) + dropped, out=keep)
 
-    def forward_block(self, task, out, lse, scratch):
-        """Output rows and their (base 2) lse of one block: exact softmax over keys 0:kmax."""
+    def exp_(self, s):
+        """``s`` exponentiated in place in the plan's unit (exp2 for base 2, else exp)."""
+        return s.exp2_() if self.unit != 1.0 else s.exp_()
+
+    def forward_block(self, task, out, stats, scratch):
+        """Output rows and their softmax statistics (row max and log of the sum, in the plan's
+        unit) of one block: exact softmax over keys 0:kmax."""
         bs, js, (n, r0, r1, kmax) = task
         shape4 = (bs.stop - bs.start, js.stop - js.start, self.G, r1 - r0)
         if kmax <= 0:  # every row of the block comes before the first key: dead
@@ -278,9 +294,9 @@ class _Plan:
         m = s.amax(-1, keepdim=True)  # (n, G*R, 1)
         dead = m == -inf
         m.masked_fill_(dead, 0.0)  # 2^(-inf - 0) = 0: a dead row sums to 0
-        s.sub_(m).exp2_()
+        self.exp_(s.sub_(m))
         total = s.sum(-1, keepdim=True)
-        if self.p > 0:  # lse is of the undropped weights; the dropped ones are zeroed
+        if self.p > 0:  # the sum is of the undropped weights; the dropped ones are zeroed
             s.mul_(self.kept(n, s.shape, scratch))
         norm = total.reciprocal().masked_fill_(dead, 0.0) / (1.0 - self.p)  # (n, G*R, 1)
         vb = self.v[bs, js, :kmax].flatten(0, 1)  # (n, kmax, Ev)
@@ -292,9 +308,11 @@ class _Plan:
             pn = scratch_view(scratch, "p", s.shape, self.mm_dtype).copy_(s.mul_(norm))
             o = torch.bmm(pn, vb)
         out[bs, js, :, r0:r1] = o.view(*shape4, self.Ev)
-        lse[bs, js, :, r0:r1] = (m + total.log2()).masked_fill_(dead, inf).view(shape4)
+        log_total = total.log2() if self.unit != 1.0 else total.log()
+        stats[bs, js, :, r0:r1, 0] = m.masked_fill_(dead, inf).view(shape4)  # +inf: P = 0
+        stats[bs, js, :, r0:r1, 1] = log_total.masked_fill_(dead, 0.0).view(shape4)
 
-    def backward_group(self, group, do, D, lse2, dq, dk, dv, scratch):
+    def backward_group(self, group, do, D, stats, dq, dk, dv, scratch):
         """dQ of the group's rows, and its kv heads' dK, dV summed over its row blocks.
 
         With dropout, every product here misses the factor 1 / (1 - p) (``D`` is given times
@@ -312,10 +330,18 @@ class _Plan:
                 dq[bs, js, :, r0:r1] = 0.0
                 continue
             R = G * (r1 - r0)
-            lse_b = lse2[bs, js, :, r0:r1].reshape(-1, R, 1)  # (n, G*R, 1)
+            m_b = stats[bs, js, :, r0:r1, 0].reshape(-1, R, 1)  # (n, G*R, 1)
+            log_total = stats[bs, js, :, r0:r1, 1].reshape(-1, R, 1)
             D_b = None if D is None else D[bs, js, :, r0:r1].reshape(-1, R, 1)
-            s = self.scores(bs, js, r0, r1, kmax, scratch, shift=lse_b)
-            P = s.exp2_()  # (n, G*R, kmax)
+            # P = exp(s - m - log_total), the shift inside the GEMM: m + log_total in one (the
+            # lse), unless a row's max is so large that its rounding would lose log_total (a
+            # row of scores absorbed by a huge bias, e.g. finfo.min: uniform in the forward,
+            # P = 1 instead of 1/S from the lse); then the sum divides P in a pass of its own
+            exact = bool((m_b.abs() >= HUGE_MAX).logical_and_(m_b.isfinite()).any())
+            shift = m_b if exact else m_b + log_total
+            P = self.exp_(self.scores(bs, js, r0, r1, kmax, scratch, shift=shift))
+            if exact:
+                P.mul_(self.exp_(log_total.neg()))  # (n, G*R, kmax)
             dob = do[bs, js, :, r0:r1].reshape(-1, R, Ev)  # (n, G*R, Ev)
             kb, vb = self.k[bs, js, :kmax].flatten(0, 1), self.v[bs, js, :kmax].flatten(0, 1)
             W = P
@@ -384,26 +410,28 @@ def _mask5(mask, plan):
 
 
 def _forward(q, k, v, mask, alignment, scale, dropout_p, seed):
-    """(out (B, H, L, Ev), lse (B, H, L)): the blocks of the forward, on the kernel's threads."""
+    """(out (B, H, L, Ev), stats (B, H, L, 2)): the blocks of the forward, on the kernel's
+    threads; ``stats`` holds each row's max score and the log of its sum of exponentials, in
+    the plan's unit (the log-sum-exp is their sum), for the backward only."""
     plan = _Plan(q, k, v, mask, alignment, scale, dropout_p, seed)
     plan.load(q, k, v)
     B, Hkv, G, L = plan.B, plan.Hkv, plan.G, plan.L
     out = q.new_empty(B, Hkv, G, L, plan.Ev)
-    lse = torch.full((B, Hkv, G, L), inf, dtype=plan.dtype)  # base 2 here; +inf: dead row
+    stats = torch.zeros(B, Hkv, G, L, 2, dtype=plan.dtype)
+    stats[..., 0] = inf  # +inf: a dead row (a block that sees no key writes nothing)
     blocks = [(bs, js, b) for bs, js, rows in plan.groups() for b in rows]
-    in_threads(blocks, lambda task, scratch: plan.forward_block(task, out, lse, scratch))
-    # natural log: the row log-sum-exp of the scores
-    return out.view(B, plan.H, L, plan.Ev), lse.mul_(LN2).view(B, plan.H, L)
+    in_threads(blocks, lambda task, scratch: plan.forward_block(task, out, stats, scratch))
+    return out.view(B, plan.H, L, plan.Ev), stats.view(B, plan.H, L, 2)
 
 
-def _backward(dout, q, k, v, out, lse, mask, alignment, scale, dropout_p, seed):
+def _backward(dout, q, k, v, out, stats, mask, alignment, scale, dropout_p, seed):
     """(dq, dk, dv): the plan rebuilt from the same arguments (the same blocks, the same
-    dropout draws), each block's weights recomputed from ``lse``."""
+    dropout draws), each block's weights recomputed from the forward's ``stats``."""
     plan = _Plan(q, k, v, mask, alignment, scale, dropout_p, seed)
     plan.load(q, k, v)
     B, Hkv, G, L, S, E, Ev = plan.B, plan.Hkv, plan.G, plan.L, plan.S, plan.E, plan.Ev
     acc = plan.dtype
-    lse2 = (lse * LOG2E).view(B, Hkv, G, L)
+    stats = stats.view(B, Hkv, G, L, 2)
     do = dout.to(plan.mm_dtype).reshape(B, Hkv, G, L, Ev)  # (B, H, L, Ev) -> 5-D
     D = None  # rowsum(dO * O) (bf16 products: each block sums its own, see backward_group)
     if plan.mm_dtype == plan.dtype:
@@ -414,7 +442,7 @@ def _backward(dout, q, k, v, out, lse, mask, alignment, scale, dropout_p, seed):
     dv = torch.zeros(B, Hkv, S, Ev, dtype=acc)
     in_threads(  # one thread per group of kv heads: dK, dV are summed over row blocks
         plan.groups(),
-        lambda g, scratch: plan.backward_group(g, do, D, lse2, dq, dk, dv, scratch),
+        lambda g, scratch: plan.backward_group(g, do, D, stats, dq, dk, dv, scratch),
     )
     return (
         dq.view(B, plan.H, L, E).to(q.dtype),
@@ -444,7 +472,7 @@ def _flash_op(
 def _(q, k, v, mask, alignment, scale, dropout_p, seed):
     B, H, L, _ = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, dtype=acc)
+    return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, 2, dtype=acc)
 
 
 @torch.library.custom_op("attnlab::cpu_flash_backward", mutates_args=(), device_types="cpu")
@@ -454,18 +482,18 @@ def _flash_backward_op(
     k: torch.Tensor,
     v: torch.Tensor,
     out: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     mask: torch.Tensor | None,
     alignment: str | None,
     scale: float,
     dropout_p: float,
     seed: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(dout, q, k, v, out, lse, mask, alignment, scale, dropout_p, int(seed))
+    return _backward(dout, q, k, v, out, stats, mask, alignment, scale, dropout_p, int(seed))
 
 
 @_flash_backward_op.register_fake
-def _(dout, q, k, v, out, lse, mask, alignment, scale, dropout_p, seed):
+def _(dout, q, k, v, out, stats, mask, alignment, scale, dropout_p, seed):
     # contiguous, as _backward returns them (empty_like would keep a transposed input's strides)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -476,11 +504,11 @@ def _save(ctx, inputs, output):
     ctx.args = (alignment, scale, dropout_p)
 
 
-def _differentiate(ctx, dout, dlse):
-    q, k, v, out, lse, mask, seed = ctx.saved_tensors
+def _differentiate(ctx, dout, dstats):
+    q, k, v, out, stats, mask, seed = ctx.saved_tensors
     alignment, scale, dropout_p = ctx.args
     dq, dk, dv = _flash_backward_op(
-        dout.contiguous(), q, k, v, out, lse, mask, alignment, scale, dropout_p, seed
+        dout.contiguous(), q, k, v, out, stats, mask, alignment, scale, dropout_p, seed
     )
     return dq, dk, dv, None, None, None, None, None
 
