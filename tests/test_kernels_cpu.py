@@ -224,6 +224,21 @@ def test_a_row_a_huge_bias_absorbs_is_uniform_with_its_gradients(blocks, dtype, 
         torch.testing.assert_close(a, b, rtol=0, atol=tol * 10)
 
 
+def test_fp16_autocast_does_not_reach_the_kernels_products(blocks):
+    """Before: the caller's thread ran its blocks under the caller's fp16 autocast (the pool's
+    threads do not: autocast is per thread), so P V before its normalisation, ~S |v|, was cast
+    to fp16 and overflowed: inf for S = 8192 and v = 10; with two threads results changed from
+    run to run with the blocks each thread took."""
+    S = 8192
+    q = torch.zeros(1, 1, 4, 8, dtype=torch.float16)
+    k = torch.randn(1, 1, S, 8, generator=torch.Generator().manual_seed(0)).half()
+    v = torch.full((1, 1, S, 8), 10.0, dtype=torch.float16)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = flash_attention(q, k, v, None, None, 0.5, 0.0)
+    torch.testing.assert_close(out, flash_attention(q, k, v, None, None, 0.5, 0.0), rtol=0, atol=0)
+    assert torch.allclose(out.float(), torch.full_like(out.float(), 10.0), atol=0.02)
+
+
 def test_an_expanded_mask_is_sliced_not_materialised(blocks):
     B, H, L, S = 2, 4, 6, 7
     small = torch.rand(B, 1, 1, S, generator=torch.Generator().manual_seed(0)) > 0.3

@@ -32,7 +32,17 @@ def in_threads(tasks, work):
     The pool threads live between calls (starting threads for every call cost more than the
     blocks of a short sequence: 2 threads were 2-18% slower at L = 64-512), and the caller works
     too instead of waiting.
+
+    The caller's thread runs its blocks with CPU autocast off, as the pool threads run them
+    (autocast is per thread): a kernel picks its own dtypes, and under fp16 autocast its
+    float32 products, cast to fp16 on the caller's thread only, overflowed (inf outputs) and
+    differed from run to run with the blocks each thread happened to take.
     """
+    with torch.autocast("cpu", enabled=False):
+        _run(tasks, work)
+
+
+def _run(tasks, work):
     threads = min(torch.get_num_threads(), len(tasks))
     if threads <= 1 or not PARALLEL or len(tasks) < TASKS_PER_THREAD * threads:
         scratch = {}
