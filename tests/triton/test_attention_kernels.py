@@ -171,6 +171,23 @@ def test_merge_kernel_equals_its_readable_merge(weights, dtype):
         torch.testing.assert_close(got, want[1], **tol)
 
 
+def test_decode_weights_of_a_row_a_huge_bias_covers_are_uniform():
+    """Before: the merge wrote exp(s - lse) with lse = top + log(total), and finfo.min on every
+    key of a row made top + log(total) == top: weights 1 each (the row summed to S), where the
+    oracle (and the CPU path) give 1/S; the output, mean(V), was already right."""
+    B, H, Hkv, L, S, E = 1, 4, 2, 2, 100, 16  # three splits
+    q, k, v = inputs(B, H, Hkv, L, S, E, E, seed=5)
+    bias = torch.zeros(L, S)
+    bias[0] = torch.finfo(torch.float32).min  # row 0: every key
+    bias[1, :30] = torch.finfo(torch.float32).min  # row 1: some keys (gone)
+    ref_out, ref_w = oracle(q, k, v, bias, None)
+    out, w = td.decode_attention(q, k, v, bias, None, return_weights=True)
+    assert err(w, ref_w) < 1e-6 and err(out, ref_out) < 2e-6
+    torch.testing.assert_close(w[0, :, 0].sum(-1), torch.ones(H))  # (was S)
+    _, avg = td.decode_attention(q, k, v, bias, None, return_weights="average")
+    assert err(avg, ref_w.mean(1, keepdims=True)) < 1e-6
+
+
 def test_decode_kernel_with_a_partly_filled_cache():
     """A static cache: keys past each row's fill are garbage the range must exclude."""
     B, H, Hkv, L, S, E = 2, 4, 2, 1, 128, 16

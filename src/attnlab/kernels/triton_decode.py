@@ -173,13 +173,14 @@ def _merge_kernel(
         out = tl.where(dead[:, None], 0.0, out / tl.where(dead, 1.0, total)[:, None])
         at = ((b * H + h[:, None]) * L + i[:, None]) * EV + offs_ev[None, :]
         tl.store(OUT + at, out.to(OUT.dtype.element_ty), mask=ev_ok)
-    if WEIGHTS:
-        lse = top + tl.log(tl.where(dead, 1.0, total))
+    if WEIGHTS:  # exp(s - top) / total, not exp(s - lse): a row whose scores a huge bias
+        # absorbed (finfo.min on every key) has top + log(total) == top, which gave weights 1
+        inv = 1.0 / tl.where(dead, 1.0, total)
         offs_s = sblock * BLOCK_S + tl.arange(0, BLOCK_S)
         at = ((b * H + h[:, None]) * L + i[:, None]) * S + offs_s[None, :]
         s_ok = row_ok[:, None] & (offs_s[None, :] < S)
         sc = tl.load(SC + at, mask=s_ok, other=float("-inf"))
-        w = tl.where(dead[:, None], 0.0, tl.exp(sc - lse[:, None]))
+        w = tl.where(dead[:, None], 0.0, tl.exp(sc - top[:, None]) * inv[:, None])
         tl.store(W + at, w.to(W.dtype.element_ty), mask=s_ok)
 
 
@@ -279,8 +280,10 @@ def merge_splits(acc, mx, sm, scores, H: int, L: int, dtype: torch.dtype, return
     out = out.view(B, Hkv, R // L, L, Ev).reshape(B, H, L, Ev).to(dtype)
     if not return_weights:
         return out, None
-    lse = (top.squeeze(2) + torch.log(total)).view(B, H, L)  # -inf where no key: exp(-inf) = 0
-    weights = torch.exp(scores - lse.masked_fill(total.view(B, H, L) == 0, float("inf"))[..., None])
+    # exp(s - top) / total: top + log(total) would round log(total) away in a row whose scores
+    # a huge bias absorbed (weights 1, not 1 / S); a row with no key: total 0 -> weights 0
+    top, total = top.squeeze(2).view(B, H, L, 1), total.view(B, H, L, 1)
+    weights = torch.exp(scores - top) / total.masked_fill(total == 0, float("inf"))
     if return_weights == "average":
         weights = weights.mean(1, keepdim=True)
     return out, weights.to(dtype)
