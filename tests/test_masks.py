@@ -56,6 +56,24 @@ def test_combinators_and_additive():
     assert torch.equal(masks.to_bool(bias), c)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_to_bool_reads_the_dtype_min_as_masked(dtype):
+    # before: Hugging Face's and torch's mask value, finfo(dtype).min, read as "may attend":
+    # to_bool gave all True, show() drew every cell attendable, and attention through the
+    # converted mask let every query read the padding
+    keep = masks.padding_mask([2, 4], 4)[:, 0, 0, :]  # (2, 4)
+    bias = torch.zeros(2, 4, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+    assert torch.equal(masks.to_bool(bias), keep)
+    assert masks.to_bool(torch.tensor([-1e9, -1e4, 0.0, float("-inf")])).tolist() == [
+        True,
+        True,
+        True,
+        False,
+    ]  # smaller biases still may attend
+    picture = masks.show(bias).splitlines()[1:]  # the two rows, after the header
+    assert [row.split() for row in picture] == [["■", "■", "·", "·"], ["■", "■", "■", "■"]]
+
+
 def test_mask_prints_as_picture_and_stays_a_plain_tensor():
     m = masks.causal_mask(3, 5, alignment="bottom_right")
     text = repr(m)

@@ -204,7 +204,8 @@ def plain(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def show(mask: torch.Tensor, max_rows: int = 24, max_cols: int = 48) -> str:
-    """Draw a bool mask (or an additive bias: -inf = masked) as text, one picture per (L, S) slice.
+    """Draw a bool mask (or an additive bias: -inf or finfo.min = masked, :func:`to_bool`) as
+    text, one picture per (L, S) slice.
 
     Args:
         mask: bool tensor of shape (..., L, S), True = may attend; or a float additive bias.
@@ -217,7 +218,7 @@ def show(mask: torch.Tensor, max_rows: int = 24, max_cols: int = 48) -> str:
     head = (
         f"Mask {tuple(m.shape)}, True = may attend ({ATTEND}), False = masked ({MASKED})"
         if mask.dtype == torch.bool
-        else f"Additive bias {tuple(m.shape)}: finite = may attend ({ATTEND}), -inf ({MASKED})"
+        else f"Additive bias {tuple(m.shape)}: may attend ({ATTEND}), -inf or finfo.min ({MASKED})"
     )
     lines = [head]
     slices = m.reshape(-1, m.shape[-2], m.shape[-1])
@@ -494,7 +495,14 @@ def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch
 
 
 def to_bool(bias: torch.Tensor) -> Mask:
-    """Additive bias -> bool mask: True wherever the bias is not ``-inf``."""
+    """Additive bias -> bool mask: True wherever the bias is above ``finfo(dtype).min / 2``.
+
+    ``-inf`` is masked, and so is the dtype's most negative range: Hugging Face and torch mark
+    masked keys with ``torch.finfo(dtype).min``, finite, which no attention weight survives
+    once a row has any other key (read as "may attend", such a mask let every query attend
+    the padding). A row that bias covers entirely differs: the bias gives it uniform weights,
+    the bool mask a dead row (0). Smaller biases (``-1e9``, ``-1e4``) stay "may attend".
+    """
     if not bias.is_floating_point():
         raise TypeError(f"to_bool expects a floating additive bias; got {bias.dtype}.")
-    return Mask(plain(bias) > float("-inf"))
+    return Mask(plain(bias) > torch.finfo(bias.dtype).min / 2)
