@@ -88,7 +88,10 @@ def test_forward_and_weights_match_the_oracle(shape, mask_kind, alignment):
     assert avg.shape == (B, 1, L, S) and err(avg, ref_w.mean(1, keepdims=True)) <= tol
     dead = ~np.asarray(ref_w.sum(-1) > 0)  # rows with no attendable key: exactly 0, lse +inf
     assert (out.numpy()[dead] == 0).all() and (w.numpy()[dead] == 0).all()
+    lse = ta.row_lse(lse)  # (B, H, L) from the (max, log-sum) statistics
     assert np.isposinf(lse.numpy()[dead]).all() and np.isfinite(lse.numpy()[~dead]).all()
+    ref_lse = ta.reference(q.double(), k.double(), v.double(), m, alignment)[1]
+    assert (lse.double() - ref_lse)[~torch.as_tensor(dead)].abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=str)
@@ -186,6 +189,36 @@ def test_decode_weights_of_a_row_a_huge_bias_covers_are_uniform():
     torch.testing.assert_close(w[0, :, 0].sum(-1), torch.ones(H))  # (was S)
     _, avg = td.decode_attention(q, k, v, bias, None, return_weights="average")
     assert err(avg, ref_w.mean(1, keepdims=True)) < 1e-6
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_row_a_huge_bias_covers_gets_uniform_weights_and_gradients(grad):
+    """Before: the forward kept lse = m + log(l), and finfo.min on every key of a row made it
+    m: the weights kernels wrote exp(s - lse) = 1 for each key (the row summed to S, not 1)
+    and the backward rebuilt P the same way (dV S times too large there)."""
+    B, H, Hkv, L, S, E = 1, 4, 2, 40, 70, 16  # several 32 x 32 tiles
+    q, k, v = inputs(B, H, Hkv, L, S, E, E, seed=6)
+    bias = torch.zeros(L, S)
+    bias[3] = torch.finfo(torch.float32).min  # every key
+    bias[35, :50] = torch.finfo(torch.float32).min  # some keys
+    ref_out, ref_w = oracle(q, k, v, bias, None)
+    out, stats = ta.attention_forward(q, k, v, bias)
+    assert err(out, ref_out) < 2e-6
+    for average in (False, True):
+        w = ta.attention_weights(q, k, stats, bias, average=average)
+        want = ref_w.mean(1, keepdims=True) if average else ref_w
+        assert err(w, want) < 1e-6, average
+    if grad:
+        from attnlab.functional.sdpa import _eager
+        from attnlab.kernels.triton_backward import attention_backward
+
+        up = torch.randn(B, H, L, E, generator=torch.Generator().manual_seed(1))
+        got = attention_backward(q, k, v, out, stats, up, bias, None, E**-0.5, None, None)
+        leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref = _eager(*leaves, bias.double(), None, E**-0.5, 0.0)[0]
+        want = torch.autograd.grad(ref, leaves, up.double())
+        for a, b in zip(got, want, strict=True):
+            assert (a.double() - b).abs().max() < 1e-5
 
 
 def test_decode_kernel_with_a_partly_filled_cache():

@@ -164,7 +164,7 @@ def run(
         return out, None, False
     bad = rows_to_fill(q, k, v, kv_finite)  # (B, H, L, 1) or None
     if bad is not None:
-        out, lse = fill_nan(out, bad), lse.masked_fill(bad[..., 0], float("nan"))
+        out, lse = fill_nan(out, bad), lse.masked_fill(bad, float("nan"))  # (B, H, L, 2)
     average = return_weights == "average"
     weights = triton_attention.attention_weights(
         q, k, lse, mask, alignment, scale, key_range, average, buffer, band

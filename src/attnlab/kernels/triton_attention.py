@@ -209,6 +209,18 @@ def _forward_blocks(
 
 
 @triton.jit
+def _row_stats(LSE, rows, ok):
+    """Rows' softmax statistics, from (B, H, L, 2) at flat row indices ``rows`` (int64): the
+    max score ``m`` (+inf for a row with no key, NaN where the NaN rule put it) and ``log l``,
+    the log of the row's sum of ``exp(s - m)``. ``P = exp((s - m) - log l)``: kept apart, not
+    as ``lse = m + log l``, for a row whose scores a huge bias absorbed (``finfo.min`` on every
+    key) has ``m + log l == m`` in float32, and ``exp(s - lse)`` gave its weights 1, not 1/S."""
+    m = tl.load(LSE + 2 * rows, mask=ok, other=float("inf"))
+    logl = tl.load(LSE + 2 * rows + 1, mask=ok, other=0.0)
+    return m, logl
+
+
+@triton.jit
 def _forward_kernel(
     Q, K, V, M, KSTART, KEND, O, LSE,
     sqb, sqh, sql, sqe, skb, skh, sks, ske, svb, svh, svs, sve,
@@ -249,15 +261,18 @@ def _forward_kernel(
         )  # fmt: skip
 
     alive = (l_i > 0) | (l_i != l_i)  # a row with a key, or NaN (a NaN or +inf bias): not dead
-    out = tl.where(alive[:, None], acc / tl.where(alive, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(alive, m_i + tl.log(tl.where(alive, l_i, 1.0)), float("inf"))
     row_ok = offs_m < L
+    # the row statistics first (see _row_stats): the max and the log of the sum, apart
+    stats = LSE + 2 * bh * L + 2 * offs_m
+    tl.store(stats, tl.where(alive, m_i, float("inf")), mask=row_ok)
+    l_safe = tl.where(alive, l_i, 1.0)
+    tl.store(stats + 1, tl.where(alive, tl.log(l_safe), 0.0), mask=row_ok)
+    out = tl.where(alive[:, None], acc / l_safe[:, None], 0.0)
     tl.store(
         O + b * sob + h * soh + offs_m[:, None] * sol + offs_ev[None, :] * soe,
         out.to(O.dtype.element_ty),
         mask=row_ok[:, None] & (offs_ev[None, :] < EV),
     )
-    tl.store(LSE + bh * L + offs_m, lse, mask=row_ok)
 
 
 @triton.jit
@@ -288,19 +303,19 @@ def _weights_kernel(
     if seen:
         for hh in range(0, H):
             h = tl.cast(hh, tl.int64)  # int64 base offsets
-            lse = tl.load(LSE + (b * H + h) * L + offs_m, mask=offs_m < L, other=float("inf"))
+            rmax, logl = _row_stats(LSE, (b * H + h) * L + offs_m, offs_m < L)
             q = _tile(Q, b * sqb + h * sqh, offs_m, offs_e, sql, sqe, L, E)
             s = _scores(q, K, b * skb + (h // G) * skh, offs_n, offs_e, ske, sks, S, E, DOT)
             s = _allowed(
                 s * scale, M, b * smb + h * smh, offs_m, offs_n, sml, sms, r_lo, r_hi, offset,
                 band_lo, band_hi, BAND, MASK,
             )  # fmt: skip
-            total += tl.exp(s - lse[:, None])  # -inf - lse and s - inf both give exp(-inf) = 0
+            total += tl.exp((s - rmax[:, None]) - logl[:, None])  # -inf - m, s - inf: exp(-inf) = 0
     else:
         for hh in range(0, H):
             h = tl.cast(hh, tl.int64)
-            lse = tl.load(LSE + (b * H + h) * L + offs_m, mask=offs_m < L, other=float("inf"))
-            total += tl.where(lse == lse, 0.0, float("nan"))[:, None]
+            rmax, logl = _row_stats(LSE, (b * H + h) * L + offs_m, offs_m < L)
+            total += tl.where((rmax == rmax) & (logl == logl), 0.0, float("nan"))[:, None]
     tl.store(
         W + b * L * S + offs_m[:, None] * S + offs_n[None, :],
         (total / H).to(W.dtype.element_ty),
@@ -328,9 +343,9 @@ def _head_weights_kernel(
     r_lo, r_hi = _rows(KSTART, KEND, srb, srl, b, offs_m, L, S, HAS_RANGE)
     last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, L) - 1
     lo, hi = _span(r_lo, r_hi, pid_m * BLOCK_M, last, offset, band_lo, band_hi, BAND)
-    lse = tl.load(LSE + bh * L + offs_m, mask=offs_m < L, other=float("inf"))
-    # a key block outside every row's keys: exp(-inf - lse), 0 (NaN in a NaN-rule row)
-    unseen = tl.where(lse == lse, 0.0, float("nan"))[:, None] + tl.zeros(
+    rmax, logl = _row_stats(LSE, bh * L + offs_m, offs_m < L)
+    # a key block outside every row's keys: exp(-inf - m), 0 (NaN in a NaN-rule row)
+    unseen = tl.where((rmax == rmax) & (logl == logl), 0.0, float("nan"))[:, None] + tl.zeros(
         [BLOCK_M, BLOCK_N], tl.float32
     )
     rows_ok = offs_m[:, None] < L
@@ -351,7 +366,7 @@ def _head_weights_kernel(
         )  # fmt: skip
         tl.store(
             w_base + offs_n[None, :],
-            tl.exp(s - lse[:, None]).to(W.dtype.element_ty),
+            tl.exp((s - rmax[:, None]) - logl[:, None]).to(W.dtype.element_ty),
             mask=rows_ok & (offs_n[None, :] < S),
         )
     for start in range(after, S, BLOCK_N):
@@ -479,7 +494,10 @@ def attention_forward(
     band: tuple[int, int, int] | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, H, L, E), (B, Hkv, S, E), (B, Hkv, S, Ev) -> out (B, H, L, Ev), lse (B, H, L) fp32.
+    """(B, H, L, E), (B, Hkv, S, E), (B, Hkv, S, Ev) -> out (B, H, L, Ev), stats (B, H, L, 2).
+
+    ``stats``: each row's max score and the log of its sum of exponentials, float32, apart
+    (:func:`row_lse` adds them: the row log-sum-exp); see :func:`_row_stats`.
 
     ``mask``: None, bool (True = may attend) or a float bias, broadcastable to (B, H, L, S).
     ``alignment``: None, ``"top_left"`` or ``"bottom_right"`` causal. ``key_range``: optional
@@ -488,14 +506,14 @@ def attention_forward(
     ``band``: optional ``(offset, lo, hi)``: query i may attend keys j with
     ``lo <= j - (i + offset) <= hi`` (a sliding window). Key blocks outside the ranges, the
     causal triangle and the band are skipped, not read.
-    Rows with no attendable key: output 0 and lse +inf. ``out_dtype``: the output's dtype
+    Rows with no attendable key: output 0, max +inf, log-sum 0. ``out_dtype``: the output's dtype
     (default q's; float32 keeps the unrounded output, for the backward).
     """
     B, H, L, E = q.shape
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     out = q.new_empty(B, H, L, Ev, dtype=out_dtype or q.dtype)
-    lse = torch.empty(B, H, L, device=q.device, dtype=torch.float32)
+    lse = torch.empty(B, H, L, 2, device=q.device, dtype=torch.float32)  # (_row_stats)
     kind, m, ms = _mask_args(mask, q, S)
     has_range, start, end, srb, srl = _range_args(key_range, q)
     has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
@@ -513,6 +531,11 @@ def attention_forward(
     return out, lse
 
 
+def row_lse(stats: torch.Tensor) -> torch.Tensor:
+    """The row log-sum-exp (B, H, L) of :func:`attention_forward`'s statistics (+inf: no key)."""
+    return stats[..., 0] + stats[..., 1]
+
+
 def attention_weights(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -525,9 +548,10 @@ def attention_weights(
     out: torch.Tensor | None = None,
     band: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """The weights ``exp(s - lse)``: (B, H, L, S), or (B, 1, L, S) averaged over heads.
+    """The weights ``exp(s - m - log l)``: (B, H, L, S), or (B, 1, L, S) averaged over heads.
 
-    ``lse`` is :func:`attention_forward`'s; the other arguments are the same as there. ``out``:
+    ``lse`` is :func:`attention_forward`'s statistics (B, H, L, 2); the other arguments are the
+    same as there. ``out``:
     an optional contiguous buffer of that shape and q's dtype to write into.
     """
     B, H, L, E = q.shape

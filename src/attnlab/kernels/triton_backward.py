@@ -1,9 +1,9 @@
 """The backward pass of :mod:`attnlab.kernels.triton_attention`, and the autograd function.
 
-From the forward's output ``O`` and row log-sum-exp ``lse`` (FlashAttention-2's backward,
+From the forward's output ``O`` and row statistics (FlashAttention-2's backward,
 Dao 2023; Triton's fused-attention tutorial)::
 
-    p_ij    = exp(s_ij - lse_i)                     recomputed tile by tile, never stored
+    p_ij    = exp((s_ij - m_i) - log l_i)           recomputed tile by tile, never stored
     delta_i = sum_e dO_ie O_ie                      (= sum_j p_ij dp_ij)
     dp_ij   = dO_i . v_j
     ds_ij   = p_ij (dp_ij - delta_i)
@@ -23,7 +23,9 @@ Key blocks outside the rows' key ranges and outside the band (causal, sliding wi
 skipped in the dQ kernel; the dK/dV kernel visits only the query blocks the band allows and
 whose ranges reach its keys. Blocks seen whole by every row of the other side (the middle of a
 band; inside ranges shared by a batch row's queries) take a loop that computes no mask and has
-no branch, so Triton pipelines it. Rows with no attendable key have ``lse = +inf``: ``p = 0``.
+no branch, so Triton pipelines it. Rows with no attendable key have ``m = +inf``: ``p = 0``.
+(``m``, the row max, and ``log l`` are kept apart, not summed into the log-sum-exp:
+:func:`attnlab.kernels.triton_attention._row_stats`.)
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from attnlab.kernels.triton_attention import (
     _mask_args,
     _program,
     _range_args,
+    _row_stats,
     _rows,
     _span,
     _tile,
@@ -78,9 +81,9 @@ def _dkdv_blocks(
                     s, M, b * smb + h * smh, offs_m, offs_n, sml, sms, r_lo, r_hi, offset,
                     band_lo, band_hi, BAND, MASK,
                 )  # fmt: skip
-            lse = tl.load(LSE + row0 + offs_m, mask=row_ok, other=float("inf"))
+            rmax, logl = _row_stats(LSE, row0 + offs_m, row_ok)
             delta = tl.load(DELTA + row0 + offs_m, mask=row_ok, other=0.0)
-            p = tl.exp(s - lse[:, None])  # (BLOCK_M, BLOCK_N), 0 where masked or dead
+            p = tl.exp((s - rmax[:, None]) - logl[:, None])  # (BLOCK_M, BLOCK_N), 0: masked, dead
             do = tl.load(
                 DO + row0 * EV + offs_m[:, None] * EV + offs_ev[None, :],
                 mask=row_ok[:, None] & (offs_ev[None, :] < EV),
@@ -157,8 +160,8 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_blocks(
-    dq, q, do, lse, delta, K, V, M, k_base, v_base, m_base, offs_m, offs_e, offs_ev, begin, end,
-    sks, ske, svs, sve, sml, sms, r_lo, r_hi, S, E, EV, scale, offset, band_lo, band_hi,
+    dq, q, do, rmax, logl, delta, K, V, M, k_base, v_base, m_base, offs_m, offs_e, offs_ev,
+    begin, end, sks, ske, svs, sve, sml, sms, r_lo, r_hi, S, E, EV, scale, offset, band_lo, band_hi,
     BAND: tl.constexpr, MASK: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
 ):  # fmt: skip
@@ -173,7 +176,7 @@ def _dq_blocks(
                 s, M, m_base, offs_m, offs_n, sml, sms, r_lo, r_hi, offset, band_lo, band_hi,
                 BAND, MASK,
             )  # fmt: skip
-        p = tl.exp(s - lse[:, None])
+        p = tl.exp((s - rmax[:, None]) - logl[:, None])  # (see _row_stats)
         dp = _dot(do, tl.trans(v), DOT)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, DOT)
@@ -202,7 +205,7 @@ def _dq_kernel(
         mask=row_ok[:, None] & (offs_ev[None, :] < EV),
         other=0.0,
     )
-    lse = tl.load(LSE + bh * L + offs_m, mask=row_ok, other=float("inf"))
+    rmax, logl = _row_stats(LSE, bh * L + offs_m, row_ok)
     delta = tl.load(DELTA + bh * L + offs_m, mask=row_ok, other=0.0)
     r_lo, r_hi = _rows(KSTART, KEND, srb, srl, b, offs_m, L, S, HAS_RANGE)
     last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, L) - 1
@@ -214,7 +217,7 @@ def _dq_kernel(
     )  # fmt: skip
     for part in tl.static_range(3):  # the masked blocks before the interior, it, those after
         dq = _dq_blocks(
-            dq, q, do, lse, delta, K, V, M, b * skb + hk * skh, b * svb + hk * svh,
+            dq, q, do, rmax, logl, delta, K, V, M, b * skb + hk * skh, b * svb + hk * svh,
             b * smb + h * smh, offs_m, offs_e, offs_ev,
             begin if part == 0 else (in_lo if part == 1 else in_hi),
             in_lo if part == 0 else (in_hi if part == 1 else hi),
