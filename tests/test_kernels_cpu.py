@@ -239,6 +239,21 @@ def test_fp16_autocast_does_not_reach_the_kernels_products(blocks):
     assert torch.allclose(out.float(), torch.full_like(out.float(), 10.0), atol=0.02)
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_torch_func_grad_takes_the_kernel(blocks, p):
+    # before: "an autograd.Function ... must override the setup_context staticmethod"
+    q, k, v = inputs(1, 4, 2, 9, 7, 8, 8, dtype=F64, seed=2)
+
+    def loss(q):
+        torch.manual_seed(5)  # the same dropout draws in both
+        return flash_attention(q, k, v, None, "bottom_right", 0.5, p).square().sum()
+
+    got = torch.func.grad(loss)(q)
+    leaf = q.clone().requires_grad_()
+    (want,) = torch.autograd.grad(loss(leaf), leaf)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_an_expanded_mask_is_sliced_not_materialised(blocks):
     B, H, L, S = 2, 4, 6, 7
     small = torch.rand(B, 1, 1, S, generator=torch.Generator().manual_seed(0)) > 0.3
