@@ -9,10 +9,11 @@ Math (per head; ``s`` the scale, ``M`` 0 / -inf from the mask and the causal tri
     dV = W^T dO     dP = (dO V^T) * Z / (1 - p)     dS = P * (dP - D)
     dQ = s dS K     dK = s dS^T Q
 
-A row with no attendable key gets ``lse = +inf``, so its ``P`` row is 0: output 0, gradients 0.
-The forward saves each row's max ``m`` and ``log sum_j exp(S_ij - m)`` apart (``lse`` is their
-sum): a row whose scores a huge bias absorbed (``finfo.min`` on every key: uniform weights, as
-the oracle's) has ``|m|`` so large that ``lse`` would round its second part away.
+A row with no attendable key gets ``lse = +inf`` (its max ``m`` is), so its ``P`` row is 0:
+output 0, gradients 0. The forward saves each row's max ``m`` and ``log sum_j exp(S_ij - m)``
+apart (``lse`` is their sum): a row whose scores a huge bias absorbed (``finfo.min`` on every
+key: uniform weights, as the oracle's) has ``|m|`` so large that ``lse`` would round its second
+part away.
 
 Tiling. A block is a range of query rows (``BLOCK_ROWS`` per head) of several whole kv heads
 (of one batch row, or of several), against **every key the block can see** at once -- no loop
@@ -72,7 +73,7 @@ BLOCK_BYTES = 2 * 2**20  # float32 scores of one block (at least one head x G*BL
 # this (L = S = 1,448 for G = 1), so that dK and dV are one bf16 GEMM each (backward_group):
 # fwd+bwd 11-17% faster at L = 512-1,536 (measured; at 2,048 one block is 20% slower)
 ONE_BLOCK_BYTES_BF16 = 8 * 2**20
-LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
+LOG2E = 1.0 / math.log(2.0)
 # a row max past this (in the plan's unit) gets P from the max and the sum apart in the backward:
 # the lse's rounding (half an ulp of the max, 2^-14 here) would otherwise count against P
 HUGE_MAX = 2.0**10
