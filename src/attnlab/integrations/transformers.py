@@ -55,7 +55,10 @@ only the first L are written::
 
 Fully masked query rows (the pad positions of a left-padded batch attend no key): attnlab gives
 them weights 0 and output 0; Hugging Face's eager gives them uniform weights 1/S (its mask adds
-``finfo.min``, not ``-inf``). Only those rows differ, and no real token ever reads them.
+``finfo.min``, not ``-inf``); "sdpa" gives them 0, as attnlab. Only those rows differ, and no
+real token's attention reads them; but a causal LM's shifted labels score the last pad
+position's logits against the first real token, so a loss that keeps that label differs from
+eager's (as sdpa's does): label it -100, as the pad positions themselves.
 """
 
 from __future__ import annotations
