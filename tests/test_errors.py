@@ -169,8 +169,19 @@ def test_mask_builder_errors():
         masks.causal_mask(3, 5)
     with pytest.raises(ValueError, match="window must be an int >= 1"):
         masks.sliding_window_mask(4, window=0)
-    with pytest.raises(ValueError, match=r"lengths must lie in \[0, max_length=3\]"):
+    with pytest.raises(ValueError, match=r"lengths must be <= max_length=3.*max_length >= 5"):
         masks.padding_mask([2, 5], 3)
+    # before: blamed the lengths, printed an empty list as "(0,) torch.float32", and took a
+    # window of True as 1
+    with pytest.raises(ValueError, match=r"max_length must be an int >= 0.*got -1"):
+        masks.padding_mask([0], -1)
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        masks.padding_mask([2, -1], 3)
+    for build in (masks.padding_mask, masks.document_mask):
+        with pytest.raises(ValueError, match="got an empty sequence"):
+            build([])
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        masks.sliding_window_mask(3, window=True)
     with pytest.raises(TypeError, match="True = real token"):
         masks.expand_key_padding(t(2, 5))
     with pytest.raises(TypeError, match="to_bool"):

@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -307,7 +308,7 @@ def sliding_window_mask(
         · ■ ■ ■ ·
         · · ■ ■ ■
     """
-    if not isinstance(window, int) or window < 1:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an int >= 1 (keys seen per query); got {window!r}.")
     q_pos, k_pos = _positions(query_length, key_length, alignment, device)
     distance = q_pos - k_pos  # (L, S): how far key j lies behind query i
@@ -344,20 +345,37 @@ def padding_mask(
     padding's key blocks instead of reading the mask; any operation on it gives a plain
     tensor without them.
     """
+    given = lengths
     lengths = torch.as_tensor(lengths, device=device)
     if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
+        got = (
+            "an empty sequence"
+            if lengths.numel() == 0 and not torch.is_tensor(given)
+            else f"{tuple(lengths.shape)} {lengths.dtype}"
+        )
         raise ValueError(
-            f"lengths must be a 1-D sequence of ints (B,); got {tuple(lengths.shape)} "
-            f"{lengths.dtype}."
+            f"lengths must be a 1-D sequence of ints (B,), one per batch row (at least one); "
+            f"got {got}."
         )
     if side not in ("right", "left"):
         raise ValueError(f"side must be 'right' or 'left'; got {side!r}.")
+    if max_length is not None:
+        try:  # an int, a numpy or 0-d torch integer; not a bool or a float
+            ok = not isinstance(max_length, bool) and operator.index(max_length) >= 0
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"max_length must be an int >= 0 (S, the keys); got {max_length!r}.")
+        max_length = operator.index(max_length)
     longest = int(lengths.max()) if len(lengths) else 0
     if max_length is None:
         max_length = longest
-    if (lengths < 0).any() or longest > max_length:
+    if (lengths < 0).any():
+        raise ValueError(f"lengths must be >= 0 (real tokens per row); got {lengths.tolist()}.")
+    if longest > max_length:
         raise ValueError(
-            f"lengths must lie in [0, max_length={max_length}]; got {lengths.tolist()}."
+            f"lengths must be <= max_length={max_length}; got {lengths.tolist()}. Fix: "
+            f"max_length >= {longest} (or leave it out for max(lengths))."
         )
     pos = torch.arange(max_length, device=lengths.device)  # (S,)
     if side == "right":
@@ -392,11 +410,16 @@ def document_mask(
     query's key range (``mask.key_range``: (1, T) start and end), so kernels that take ranges
     skip the other documents' key blocks instead of reading the mask.
     """
+    given = lengths
     lengths = torch.as_tensor(lengths, device=device)
     if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
+        got = (
+            "an empty sequence"
+            if lengths.numel() == 0 and not torch.is_tensor(given)
+            else f"{tuple(lengths.shape)} {lengths.dtype}"
+        )
         raise ValueError(
-            f"lengths must be a 1-D sequence of ints (documents,); got "
-            f"{tuple(lengths.shape)} {lengths.dtype}."
+            f"lengths must be a 1-D sequence of ints (documents,), at least one; got {got}."
         )
     if (lengths < 0).any():
         raise ValueError(f"lengths must be >= 0; got {lengths.tolist()}.")
