@@ -233,6 +233,24 @@ def test_rows_without_a_key_give_zero_output_and_zero_gradients(kernel_calls):
     assert (leaves[0].grad[:, dead] == 0).all()  # no gradient reaches a dead query row
 
 
+def test_a_row_finfo_min_covers_gets_the_gradients_of_uniform_weights(kernel_calls):
+    """Before: the forward kept lse = m + log(l), which rounds log(l) away in a row whose scores
+    finfo.min absorbed: the backward's P there was 1 per key, not 1/S (its gradients S times
+    too large). Against the naive formula's autograd in float32 (which absorbs alike)."""
+    lead, L, S, Dq, Dk, Dv, A = (2,), 9, 13, 4, 5, 3, 6
+    leaves = [t.float().requires_grad_() for t in make(lead, L, S, Dq, Dk, Dv, A, seed=7)]
+    bias = torch.zeros(L, S)
+    bias[4] = torch.finfo(torch.float32).min  # row 4: every key
+    bias[6, :5] = torch.finfo(torch.float32).min
+    up = torch.randn(*lead, L, Dv, generator=torch.Generator().manual_seed(8))
+    out = AF.additive_attention(*leaves[:6], bias, bias=leaves[6])
+    assert len(kernel_calls) == 1
+    got = torch.autograd.grad(out, leaves, up)
+    want = torch.autograd.grad(naive(*leaves, bias, False), leaves, up)
+    for name, g, w in zip(NAMES, got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_nan_inputs_propagate_as_the_other_paths_do(kernel_calls):
     leaves = [t.float() for t in make((2,), 9, 11, 3, 3, 2, 4, seed=6)]
     leaves[0][1, 4, 0] = float("nan")  # one query row of batch row 1

@@ -60,6 +60,8 @@ tensor cores; a single TF32 product would miss float32 tolerances, and IEEE prod
 units spilled registers), exactly in float32 in the interpreter.
 
 A row with no attendable key (mask or causal) gets ``lse = +inf``: P = 0, output 0, gradients 0.
+(The forward keeps ``lse`` as the row max and the log of the sum, apart: see
+:func:`attnlab.kernels.triton_attention._row_stats`.)
 
 The readable spec of the same computation is :func:`reference` below (it materialises the
 (N, L, S, A) tanh: small inputs only), itself tested against the float64 NumPy oracle
@@ -82,7 +84,7 @@ from torch.autograd.function import once_differentiable
 
 from attnlab._checks import broadcast_shapes
 from attnlab.kernels import _triton
-from attnlab.kernels.triton_attention import _program
+from attnlab.kernels.triton_attention import _program, _row_stats
 
 TWO_LOG2E = 2.0 / math.log(2.0)  # tanh(x) = 1 - 2 / (exp2(TWO_LOG2E * x) + 1)
 EXP2_CAP = tl.constexpr(64.0)  # exp2's argument is capped (tanh is 1.0 in float32 from 26 on)
@@ -252,8 +254,11 @@ def _fwd_kernel(
     row_ok = rows < L
     o_ptrs = O + n * L * DV + rows[:, None] * DV + dv[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
-    lse = tl.where(alive, m_i + tl.log(l_safe), float("inf"))
-    tl.store(LSE + n * L + rows, lse, mask=row_ok)
+    # the row max and the log of the sum apart (_row_stats): m + log(l) rounds log(l) away in
+    # a row a huge bias covers entirely (finfo.min), and its backward P came out 1, not 1/S
+    stats = LSE + 2 * n * L + 2 * rows
+    tl.store(stats, tl.where(alive, m_i, float("inf")), mask=row_ok)
+    tl.store(stats + 1, tl.where(alive, tl.log(l_safe), 0.0), mask=row_ok)
 
 
 @triton.jit
@@ -286,8 +291,8 @@ def _bwd_kernel(
         # time (dV in float32, added by this program alone: few registers for any Dv)
         s = _score_tile(a_ptr, b_ptr, W, rows, cols, L, S, A, BLOCK_L, BLOCK_S)
         s = _visible(s, m_ptr, rows, cols, L, S, offset, smn, sml, sms, MASK, CAUSAL)
-        lse = tl.load(LSE + n * L + rows, mask=row_ok, other=float("inf"))
-        p = tl.where(s == float("-inf"), 0.0, tl.exp(s - lse[:, None]))  # (BLOCK_L, BLOCK_S)
+        rmax, logl = _row_stats(LSE, n * L + rows, row_ok)
+        p = tl.where(s == float("-inf"), 0.0, tl.exp((s - rmax[:, None]) - logl[:, None]))
         p_t = tl.trans(p.to(DO.dtype.element_ty))  # (BLOCK_S, BLOCK_L)
         dp = tl.zeros((BLOCK_L, BLOCK_S), dtype=tl.float32)
         for d0 in range(0, DV, BLOCK_DV):
@@ -363,7 +368,7 @@ class _AdditiveAttention(torch.autograd.Function):
         # from a bf16-rounded output biased every dS, and the tanh chain summed that bias
         # over A (gradients of a, b, w 3-10x worse than the naive bf16 formula)
         out = value.new_empty(N, L, DV, dtype=torch.float32)
-        lse = a.new_empty(N, L)
+        lse = a.new_empty(N, L, 2)  # each row's max and log of its sum (_row_stats)
         meta = dict(MASK=kind, CAUSAL=alignment is not None, **products(value.dtype))
         blk = tiling.forward
         with _triton.on_device(value):
