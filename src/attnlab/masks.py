@@ -324,6 +324,19 @@ def sliding_window_mask(
     return mask
 
 
+def _int_lengths(lengths, device, what: str) -> torch.Tensor:
+    """``lengths`` as a 1-D integer tensor, or a ValueError saying what was given instead."""
+    given, lengths = lengths, torch.as_tensor(lengths, device=device)
+    if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
+        got = (
+            "an empty sequence"
+            if lengths.numel() == 0 and not torch.is_tensor(given)
+            else f"{tuple(lengths.shape)} {lengths.dtype}"
+        )
+        raise ValueError(f"lengths must be a 1-D sequence of ints {what}, at least one; got {got}.")
+    return lengths
+
+
 def padding_mask(
     lengths: torch.Tensor | Sequence[int],
     max_length: int | None = None,
@@ -345,18 +358,7 @@ def padding_mask(
     padding's key blocks instead of reading the mask; any operation on it gives a plain
     tensor without them.
     """
-    given = lengths
-    lengths = torch.as_tensor(lengths, device=device)
-    if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
-        got = (
-            "an empty sequence"
-            if lengths.numel() == 0 and not torch.is_tensor(given)
-            else f"{tuple(lengths.shape)} {lengths.dtype}"
-        )
-        raise ValueError(
-            f"lengths must be a 1-D sequence of ints (B,), one per batch row (at least one); "
-            f"got {got}."
-        )
+    lengths = _int_lengths(lengths, device, "(B,), one per batch row")
     if side not in ("right", "left"):
         raise ValueError(f"side must be 'right' or 'left'; got {side!r}.")
     if max_length is not None:
@@ -410,17 +412,7 @@ def document_mask(
     query's key range (``mask.key_range``: (1, T) start and end), so kernels that take ranges
     skip the other documents' key blocks instead of reading the mask.
     """
-    given = lengths
-    lengths = torch.as_tensor(lengths, device=device)
-    if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
-        got = (
-            "an empty sequence"
-            if lengths.numel() == 0 and not torch.is_tensor(given)
-            else f"{tuple(lengths.shape)} {lengths.dtype}"
-        )
-        raise ValueError(
-            f"lengths must be a 1-D sequence of ints (documents,), at least one; got {got}."
-        )
+    lengths = _int_lengths(lengths, device, "(documents,)")
     if (lengths < 0).any():
         raise ValueError(f"lengths must be >= 0; got {lengths.tolist()}.")
     doc = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import time
 
 import torch
@@ -47,6 +46,7 @@ from attnlab.functional.nonfinite import propagate_nonfinite
 from attnlab.functional.sdpa import Dispatch
 from attnlab.functional.softmax import LOW_PRECISION, attention
 from attnlab.kernels import _triton
+from attnlab.kernels.choice import env_setting
 from attnlab.masks import plain
 
 CHUNK_BYTES = 8 * 2**20  # per-block buffer: large enough for big matmuls, small for the caches
@@ -74,12 +74,7 @@ def tanh_by_sigmoid() -> bool:
     ``ATTNLAB_CPU_TANH``: ``tanh``, ``sigmoid``, or ``measure`` (the default: sigmoid only if
     it runs in less than 2/3 of tanh's time, measured once per process, ~2 ms).
     """
-    setting = os.environ.get(TANH_ENV, "measure")
-    if setting not in TANH_SETTINGS:
-        raise ValueError(
-            f"{TANH_ENV} must be one of {', '.join(TANH_SETTINGS)}; got {setting!r}. Unset it "
-            "to let attnlab measure which is faster here."
-        )
+    setting = env_setting(TANH_ENV, TANH_SETTINGS)
     return setting == "sigmoid" if setting != "measure" else _sigmoid_much_faster()
 
 

@@ -64,15 +64,21 @@ def length_class(L: int, S: int) -> int:
     return c
 
 
+def env_setting(name: str, settings: tuple[str, ...]) -> str:
+    """The environment variable ``name``, one of ``settings`` (default the first, "measure")."""
+    setting = os.environ.get(name, settings[0])
+    if setting not in settings:
+        raise ValueError(
+            f"{name} must be one of {', '.join(settings)}; got {setting!r}. Unset it to let "
+            "attnlab measure which is faster here."
+        )
+    return setting
+
+
 def training_16bit(dtype: torch.dtype, E: int, Ev: int, L: int, S: int) -> Choice:
     """The kernel for 16-bit attention with autograd on CPU (no dropout): set, or measured once
     per length class."""
-    setting = os.environ.get(ENV, "measure")
-    if setting not in SETTINGS:
-        raise ValueError(
-            f"{ENV} must be one of {', '.join(SETTINGS)}; got {setting!r}. Unset it to let "
-            "attnlab measure which kernel is faster here."
-        )
+    setting = env_setting(ENV, SETTINGS)
     if setting != "measure":
         return Choice(setting == "attnlab", f"{ENV}={setting}")
     return _measured(dtype, E, Ev, length_class(L, S), torch.get_num_threads())

@@ -21,7 +21,7 @@ float bias read through its strides. A row with no key gets output 0 (and weight
 Weights at decode are one row per head: when asked, the kernel also writes the raw scores
 (B, H, L, S) in fp32, and the merge (``_merge_kernel``, one launch: the torch ops it replaced
 were ~15 launches, ~0.35 ms of host time a call on an H100) writes the output and the weights
-``exp(s - lse)``. This serves cache-eviction methods (H2O, SnapKV) that need them.
+``exp(s - max) / sum``. This serves cache-eviction methods (H2O, SnapKV) that need them.
 
 The readable reference is :func:`attnlab.kernels.triton_attention.reference` (the same math);
 the oracle is :func:`attnlab.reference.scaled_dot_product_attention`.

@@ -354,7 +354,7 @@ class LlamaModel(nn.Module):
         if (
             not isinstance(key_mask, torch.Tensor)
             or key_mask.dtype != torch.bool
-            or (key_mask.shape != (B, L))
+            or key_mask.shape != (B, L)
         ):
             got = (
                 f"{tuple(key_mask.shape)} {key_mask.dtype}"
