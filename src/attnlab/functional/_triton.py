@@ -159,14 +159,16 @@ def run(
         if buffer is not None:
             weights = buffer.copy_(weights)
         return out, weights, False
-    out, lse = triton_attention.attention_forward(q, k, v, mask, alignment, scale, key_range, band)
+    out, stats = triton_attention.attention_forward(
+        q, k, v, mask, alignment, scale, key_range, band
+    )
     if not return_weights:
         return out, None, False
     bad = rows_to_fill(q, k, v, kv_finite)  # (B, H, L, 1) or None
     if bad is not None:
-        out, lse = fill_nan(out, bad), lse.masked_fill(bad, float("nan"))  # (B, H, L, 2)
+        out, stats = fill_nan(out, bad), stats.masked_fill(bad, float("nan"))  # (B, H, L, 2)
     average = return_weights == "average"
     weights = triton_attention.attention_weights(
-        q, k, lse, mask, alignment, scale, key_range, average, buffer, band
+        q, k, stats, mask, alignment, scale, key_range, average, buffer, band
     )
     return out, weights, True

@@ -84,7 +84,7 @@ from torch.autograd.function import once_differentiable
 
 from attnlab._checks import broadcast_shapes
 from attnlab.kernels import _triton
-from attnlab.kernels.triton_attention import _program, _row_stats
+from attnlab.kernels.triton_attention import _program, _row_stats, _store_row_stats
 
 TWO_LOG2E = 2.0 / math.log(2.0)  # tanh(x) = 1 - 2 / (exp2(TWO_LOG2E * x) + 1)
 EXP2_CAP = tl.constexpr(64.0)  # exp2's argument is capped (tanh is 1.0 in float32 from 26 on)
@@ -256,9 +256,7 @@ def _fwd_kernel(
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
     # the row max and the log of the sum apart (_row_stats): m + log(l) rounds log(l) away in
     # a row a huge bias covers entirely (finfo.min), and its backward P came out 1, not 1/S
-    stats = LSE + 2 * n * L + 2 * rows
-    tl.store(stats, tl.where(alive, m_i, float("inf")), mask=row_ok)
-    tl.store(stats + 1, tl.where(alive, tl.log(l_safe), 0.0), mask=row_ok)
+    _store_row_stats(LSE + 2 * n * L, rows, row_ok, alive, m_i, l_safe)
 
 
 @triton.jit
@@ -368,18 +366,18 @@ class _AdditiveAttention(torch.autograd.Function):
         # from a bf16-rounded output biased every dS, and the tanh chain summed that bias
         # over A (gradients of a, b, w 3-10x worse than the naive bf16 formula)
         out = value.new_empty(N, L, DV, dtype=torch.float32)
-        lse = a.new_empty(N, L, 2)  # each row's max and log of its sum (_row_stats)
+        stats = a.new_empty(N, L, 2)  # each row's max and log of its sum (_row_stats)
         meta = dict(MASK=kind, CAUSAL=alignment is not None, **products(value.dtype))
         blk = tiling.forward
         with _triton.on_device(value):
             _fwd_kernel[(triton.cdiv(L, blk.rows) * N,)](
-                at, bt, w, value, m, out, lse,
+                at, bt, w, value, m, out, stats,
                 L, S, A, DV, _offset(alignment, L, S),
                 *value.stride(), *m_strides,
                 **meta, BLOCK_L=blk.rows, BLOCK_S=blk.keys,
                 BLOCK_DV=max(16, triton.next_power_of_2(DV)), num_warps=blk.warps,
             )  # fmt: skip
-        ctx.save_for_backward(at, bt, w, value, m, out, lse)
+        ctx.save_for_backward(at, bt, w, value, m, out, stats)
         ctx.meta, ctx.tiling = meta, tiling
         ctx.m_strides, ctx.offset = m_strides, _offset(alignment, L, S)
         return out.to(value.dtype)
@@ -387,7 +385,7 @@ class _AdditiveAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        at, bt, w, value, m, out, lse = ctx.saved_tensors
+        at, bt, w, value, m, out, stats = ctx.saved_tensors
         N, A, L = at.shape
         S, DV = bt.shape[2], value.shape[2]
         grad_out = grad_out.contiguous()
@@ -399,7 +397,7 @@ class _AdditiveAttention(torch.autograd.Function):
         dvalue = value.new_zeros(N, S, DV, dtype=torch.float32)
         with _triton.on_device(value):
             _bwd_kernel[(key_blocks * N,)](
-                at, bt, w, value, m, grad_out, lse, delta, dat, dbt, dw_parts, dvalue,
+                at, bt, w, value, m, grad_out, stats, delta, dat, dbt, dw_parts, dvalue,
                 L, S, A, DV, ctx.offset,
                 *value.stride(), *ctx.m_strides,
                 **ctx.meta, BLOCK_L=blk.rows, BLOCK_S=blk.keys,

@@ -221,6 +221,16 @@ def _row_stats(LSE, rows, ok):
 
 
 @triton.jit
+def _store_row_stats(base, offs, ok, alive, m_i, l_safe):
+    """What :func:`_row_stats` reads, from a forward's running max ``m_i`` and sum ``l_safe``
+    (1 where not ``alive``): a row with no key gets max +inf and log-sum 0, so P = 0. ``base``
+    points at the program's first row's pair, ``offs`` are rows from it (not int64 row indices:
+    their registers made the float32 E = 128 forward spill)."""
+    tl.store(base + 2 * offs, tl.where(alive, m_i, float("inf")), mask=ok)
+    tl.store(base + 2 * offs + 1, tl.where(alive, tl.log(l_safe), 0.0), mask=ok)
+
+
+@triton.jit
 def _forward_kernel(
     Q, K, V, M, KSTART, KEND, O, LSE,
     sqb, sqh, sql, sqe, skb, skh, sks, ske, svb, svh, svs, sve,
@@ -262,11 +272,9 @@ def _forward_kernel(
 
     alive = (l_i > 0) | (l_i != l_i)  # a row with a key, or NaN (a NaN or +inf bias): not dead
     row_ok = offs_m < L
-    # the row statistics first (see _row_stats): the max and the log of the sum, apart
-    stats = LSE + 2 * bh * L + 2 * offs_m
-    tl.store(stats, tl.where(alive, m_i, float("inf")), mask=row_ok)
     l_safe = tl.where(alive, l_i, 1.0)
-    tl.store(stats + 1, tl.where(alive, tl.log(l_safe), 0.0), mask=row_ok)
+    # the row statistics before the output (after it, a 4-byte spill at fp32 E = 128)
+    _store_row_stats(LSE + 2 * bh * L, offs_m, row_ok, alive, m_i, l_safe)
     out = tl.where(alive[:, None], acc / l_safe[:, None], 0.0)
     tl.store(
         O + b * sob + h * soh + offs_m[:, None] * sol + offs_ev[None, :] * soe,
@@ -513,7 +521,7 @@ def attention_forward(
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     out = q.new_empty(B, H, L, Ev, dtype=out_dtype or q.dtype)
-    lse = torch.empty(B, H, L, 2, device=q.device, dtype=torch.float32)  # (_row_stats)
+    stats = torch.empty(B, H, L, 2, device=q.device, dtype=torch.float32)  # (_row_stats)
     kind, m, ms = _mask_args(mask, q, S)
     has_range, start, end, srb, srl = _range_args(key_range, q)
     has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
@@ -521,14 +529,14 @@ def attention_forward(
     grid = (triton.cdiv(L, BM) * B * H,)  # 1-D (see _program)
     with _triton.on_device(q):
         _forward_kernel[grid](
-            q, k, v, m, start, end, out, lse,
+            q, k, v, m, start, end, out, stats,
             *q.stride(), *k.stride(), *v.stride(), *ms, srb, srl, *out.stride(),
             H, H // Hkv, L, S, E, Ev, scale, offset, band_lo, band_hi,
             BAND=has_band, MASK=kind, HAS_RANGE=has_range,
             DOT=_dot_mode(q.dtype),
             BLOCK_M=BM, BLOCK_N=BN, BLOCK_E=BE, BLOCK_EV=BEV, num_warps=warps, num_stages=stages,
         )  # fmt: skip
-    return out, lse
+    return out, stats
 
 
 def row_lse(stats: torch.Tensor) -> torch.Tensor:
@@ -539,7 +547,7 @@ def row_lse(stats: torch.Tensor) -> torch.Tensor:
 def attention_weights(
     q: torch.Tensor,
     k: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     mask: torch.Tensor | None = None,
     alignment: str | None = None,
     scale: float | None = None,
@@ -550,9 +558,8 @@ def attention_weights(
 ) -> torch.Tensor:
     """The weights ``exp(s - m - log l)``: (B, H, L, S), or (B, 1, L, S) averaged over heads.
 
-    ``lse`` is :func:`attention_forward`'s statistics (B, H, L, 2); the other arguments are the
-    same as there. ``out``:
-    an optional contiguous buffer of that shape and q's dtype to write into.
+    ``stats`` is :func:`attention_forward`'s (B, H, L, 2); the other arguments are the same as
+    there. ``out``: an optional contiguous buffer of that shape and q's dtype to write into.
     """
     B, H, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -565,7 +572,7 @@ def attention_weights(
     has_band, offset, band_lo, band_hi = band_args(alignment, band, L, S)
     BM, BN, BE, _, warps, stages = _blocks(E, E, q.dtype, "average" if average else "weights")
     args = (
-        q, k, m, start, end, lse, out, *q.stride(), *k.stride(), *ms, srb, srl,
+        q, k, m, start, end, stats, out, *q.stride(), *k.stride(), *ms, srb, srl,
         H, H // Hkv, L, S, E, scale, offset, band_lo, band_hi,
     )  # fmt: skip
     consts = dict(

@@ -231,7 +231,7 @@ def _dq_kernel(
     )
 
 
-def attention_backward(q, k, v, out, lse, grad_out, mask, alignment, scale, key_range, band):
+def attention_backward(q, k, v, out, stats, grad_out, mask, alignment, scale, key_range, band):
     """dQ (B, H, L, E), dK (B, Hkv, S, E), dV (B, Hkv, S, Ev) by the two kernels."""
     B, H, L, E = q.shape
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[-1]
@@ -251,11 +251,11 @@ def attention_backward(q, k, v, out, lse, grad_out, mask, alignment, scale, key_
     strides = (*q.stride(), *k.stride(), *v.stride(), *ms, srb, srl)
     with _triton.on_device(q):
         _dkdv_kernel[(triton.cdiv(S, BN) * B * Hkv,)](
-            q, k, v, m, start, end, do, lse, delta, dk, dv, *strides,
+            q, k, v, m, start, end, do, stats, delta, dk, dv, *strides,
             H, Hkv, H // Hkv, L, S, E, Ev, scale, offset, band_lo, band_hi, **common,
         )  # fmt: skip
         _dq_kernel[(triton.cdiv(L, BM) * B * H,)](
-            q, k, v, m, start, end, do, lse, delta, dq, *strides,
+            q, k, v, m, start, end, do, stats, delta, dq, *strides,
             H, H // Hkv, L, S, E, Ev, scale, offset, band_lo, band_hi, **common,
         )  # fmt: skip
     return dq, dk, dv
@@ -272,16 +272,16 @@ class TritonAttention(torch.autograd.Function):
         # delta = rowsum(dO * O) must cancel against dP where one key takes nearly all the
         # weight; from the rounded output, delta was off by ~2**-9 |dO| |O|, and dQ, dK of such
         # rows by 100-4,000x their own size (the returned output is the same rounding of it)
-        out, lse = attention_forward(
+        out, stats = attention_forward(
             q, k, v, mask, alignment, scale, key_range, band, out_dtype=torch.float32
         )
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, stats)
         ctx.args = (mask, alignment, scale, key_range, band)
         return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable  # the kernels' gradients carry no graph: a second derivative raises
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(q, k, v, out, lse, grad_out, *ctx.args)
+        q, k, v, out, stats = ctx.saved_tensors
+        dq, dk, dv = attention_backward(q, k, v, out, stats, grad_out, *ctx.args)
         return dq, dk, dv, None, None, None, None, None
