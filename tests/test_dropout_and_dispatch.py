@@ -192,7 +192,11 @@ def test_the_hot_path_leaves_what_it_does_not_decide(caplog):
     with pytest.raises(ValueError, match="scale must be a finite number"):
         AF.scaled_dot_product_attention(q, k, v, scale=float("inf"))
     with pytest.raises(ValueError, match="dropout_p must be a probability"):
-        AF.scaled_dot_product_attention(q, k, v, dropout_p=torch.tensor(0.0))
+        AF.scaled_dot_product_attention(q, k, v, dropout_p=torch.tensor([0.0]))
+    torch.testing.assert_close(  # (a 0-d tensor leaves the hot path, and is taken as torch does)
+        AF.scaled_dot_product_attention(q, k, v, dropout_p=torch.tensor(0.0)),
+        AF.scaled_dot_product_attention(q, k, v),
+    )
     with pytest.raises(TypeError, match="share one dtype"):
         AF.scaled_dot_product_attention(q, k.double(), v)
 

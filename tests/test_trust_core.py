@@ -226,6 +226,39 @@ def test_nonfinite_scale_and_out_of_range_bias_are_refused():
     assert (out[:, :, 2] == 0).all()
 
 
+@pytest.mark.parametrize(
+    "number", [np.float32(0.25), np.float64(0.25), np.int64(2), torch.tensor(0.25), 0.25]
+)
+def test_numpy_scalars_and_0d_tensors_are_taken_as_torch_takes_them(number):
+    # before: np.float32, np.int64 and 0-d tensors were refused ("must be a finite number",
+    # "must be a probability") where torch's SDPA takes them
+    q, k, v = qkv(Hkv=4)
+    value = float(number)
+    expected = F.scaled_dot_product_attention(q, k, v, scale=value)
+    got = AF.scaled_dot_product_attention(q, k, v, scale=number)
+    torch.testing.assert_close(got, expected)
+    assert AF.explain(q, k, v, scale=number).path == AF.explain(q, k, v, scale=value).path
+    torch.testing.assert_close(AF.hard_attention(q, k, v, scale=number),
+                               AF.hard_attention(q, k, v, scale=value))  # fmt: skip
+    if value < 1:  # the same draws as the Python float: the same keep mask and scaling
+        p = number
+        torch.manual_seed(0)
+        expected = AF.scaled_dot_product_attention(q, k, v, dropout_p=value)
+        torch.manual_seed(0)
+        torch.testing.assert_close(AF.scaled_dot_product_attention(q, k, v, dropout_p=p), expected)
+        scores = torch.randn(2, 4, 5, 7)
+        torch.manual_seed(0)
+        expected = AF.attention(scores, v, dropout_p=value)
+        torch.manual_seed(0)
+        got = AF.attention(scores, v, dropout_p=p)
+        torch.testing.assert_close(got, expected)
+    for bad in (np.bool_(True), torch.tensor([0.25]), torch.tensor(True), "0.1"):
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            AF.scaled_dot_product_attention(q, k, v, scale=bad)
+        with pytest.raises(ValueError, match="dropout_p must be a probability"):
+            AF.scaled_dot_product_attention(q, k, v, dropout_p=bad)
+
+
 @pytest.mark.parametrize("where", ["sdpa", "masked_softmax", "additive"])
 def test_a_bias_that_overflows_the_inputs_dtype_either_way_is_refused(where):
     # before: +1e39 (float64) with float32 inputs became +inf: its row NaN where the oracle is

@@ -12,6 +12,7 @@ dim, ``D`` model dim, ``P`` cached length.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -214,17 +215,35 @@ def check_mask(
         )
 
 
-def check_scale(scale: float | None) -> None:
-    """Raise unless ``scale`` is None or a finite real number (NaN would silently become 0s)."""
+def real_number(value):
+    """``value`` itself if a Python int or float; a Python float for any other real scalar that
+    torch takes where a float is expected (a numpy scalar, a 0-d int or float tensor); ``None``
+    for everything else (bools included)."""
+    if value.__class__ is float or value.__class__ is int:
+        return value
+    if isinstance(value, bool) or isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+        return None
+    if isinstance(value, numbers.Real):  # (float and int subclasses, numpy's scalars)
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+        return float(value)
+    return None
+
+
+def check_scale(scale: float | None) -> float | None:
+    """``scale`` as a Python float (or None), or raise unless it is a finite real number (NaN
+    would silently become 0s). Numpy scalars and 0-d tensors are taken, as torch takes them."""
     if scale is None:
-        return
-    # (abs(scale) < inf, not math.isfinite: a scale that torch.compile makes symbolic is
+        return None
+    value = real_number(scale)
+    # (abs(value) < inf, not math.isfinite: a scale that torch.compile makes symbolic is
     # compared, where math.isfinite would break the graph; NaN compares False too)
-    if isinstance(scale, bool) or not isinstance(scale, int | float) or not abs(scale) < math.inf:
+    if value is None or not abs(value) < math.inf:
         raise ValueError(
             f"scale must be a finite number (the multiplier of the scores) or None for "
             f"1/sqrt(E); got {scale!r}. Fix: pass e.g. scale=1.0, or leave it out."
         )
+    return value
 
 
 def check_bias_range(
@@ -258,12 +277,16 @@ def check_bias_range(
         )
 
 
-def check_dropout(dropout_p: float) -> None:
-    if not isinstance(dropout_p, int | float) or not 0.0 <= dropout_p < 1.0:
+def check_dropout(dropout_p: float) -> float:
+    """``dropout_p`` as a Python number, or raise unless it is a probability in [0, 1)
+    (numpy scalars and 0-d tensors are taken, as torch takes them)."""
+    value = real_number(dropout_p)
+    if value is None or not 0.0 <= value < 1.0:
         raise ValueError(
             f"dropout_p must be a probability in [0, 1); got {dropout_p!r}. "
             f"Fix: pass e.g. 0.1, or 0.0 to disable dropout."
         )
+    return value
 
 
 def causal_alignment(is_causal: bool | str, query_len: int, key_len: int) -> str | None:

@@ -302,7 +302,7 @@ def additive_attention(
         torch.Size([2, 3, 6])
     """
     _check_value(key, value)
-    check_dropout(dropout_p)  # (also where the fused kernel serves: it takes no dropout)
+    dropout_p = check_dropout(dropout_p)  # (also where the fused kernel serves: no dropout)
     _check_devices(query, key=key, value=value, w_query=w_query, w_key=w_key, w_score=w_score,
                    bias=bias)  # fmt: skip
     # (is_cuda first: the CPU path pays ~0.1 us for the question, not unfit()'s ~5)
@@ -353,7 +353,7 @@ def explain_additive(
         'chunked'
     """
     _check_value(key, value)
-    check_dropout(dropout_p)
+    dropout_p = check_dropout(dropout_p)
     _check_devices(query, key=key, value=value, w_query=w_query, w_key=w_key, w_score=w_score,
                    bias=bias)  # fmt: skip
     lead, alignment = _checked(query, key, w_query, w_key, w_score, bias, attn_mask, is_causal)

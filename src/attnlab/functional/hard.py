@@ -156,7 +156,7 @@ def hard_attention(
                 f"{tuple(noise.shape)}."
             )
         noise = noise.reshape(*q.shape[:-1], S)  # user layout -> (B, H, L, S)
-    check_scale(scale)
+    scale = check_scale(scale)
     if scale is None:  # E = 0: every score is 0 whatever the scale
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
     scores = grouped_scores(q * scale, k)  # (B, H, L, S)

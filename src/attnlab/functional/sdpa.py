@@ -303,7 +303,7 @@ def explain(
 ) -> Dispatch:
     """Which path :func:`scaled_dot_product_attention` takes for these inputs, and why (its
     checks, and its casts under ``torch.autocast``, included: bad inputs raise as the call)."""
-    _, q, k, v, mask, _, alignment, structure = _prepared(
+    _, q, k, v, mask, _, alignment, structure, scale, dropout_p = _prepared(
         query, key, value, attn_mask, is_causal, scale, dropout_p, return_weights
     )
     if q.shape[1] == 0:
@@ -318,12 +318,13 @@ def explain(
 def _prepared(query, key, value, attn_mask, is_causal, scale, dropout_p, return_weights):
     """What :func:`attention_with` and :func:`explain` both do before choosing a path: the
     inputs checked and cast (autocast) -> ``(query, q, k, v, mask, restore, alignment,
-    structure)``, q, k, v and mask as (B, H, L, E)-layout views, ``restore`` giving an output
-    the user's layout back. (A plain tuple: this runs at every call.)"""
+    structure, scale, dropout_p)``, q, k, v and mask as (B, H, L, E)-layout views, ``restore``
+    giving an output the user's layout back, scale and dropout_p as Python numbers. (A plain
+    tuple: this runs at every call.)"""
     query, key, value = autocast_inputs(query, key, value)
     check_qkv(query, key, value)
-    check_dropout(dropout_p)
-    check_scale(scale)
+    dropout_p = check_dropout(dropout_p)
+    scale = check_scale(scale)
     if return_weights not in (False, True, "average"):
         raise ValueError(
             f"return_weights must be False, True (per head) or 'average' (mean over heads); "
@@ -339,7 +340,7 @@ def _prepared(query, key, value, attn_mask, is_causal, scale, dropout_p, return_
     if attn_mask is not None:
         attn_mask = plain(attn_mask)  # a masks.Mask is a bool tensor that prints as a picture
     q, k, v, mask, restore = as_4d(query, key, value, attn_mask)
-    return query, q, k, v, mask, restore, alignment, structure
+    return query, q, k, v, mask, restore, alignment, structure, scale, dropout_p
 
 
 def scaled_dot_product_attention(
@@ -485,7 +486,7 @@ def attention_with(
     ``kv_finite`` (B, Hkv) bool, whether each head's keys and values are free of NaN and inf
     (a KV cache's :meth:`~attnlab.cache.Cache.kv_finite`), so that the NaN policy screens only
     the query instead of reading the whole cache again at every decode step."""
-    query, q, k, v, mask, restore, alignment, structure = _prepared(
+    query, q, k, v, mask, restore, alignment, structure, scale, dropout_p = _prepared(
         query, key, value, attn_mask, is_causal, scale, dropout_p, return_weights
     )
     if kv_finite is not None and (key.dim() != 4 or kv_finite.shape != k.shape[:2]):

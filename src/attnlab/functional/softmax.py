@@ -109,7 +109,7 @@ def attention(
     """
     check_floating("scores", scores)
     check_floating("value", value)
-    check_dropout(dropout_p)
+    dropout_p = check_dropout(dropout_p)
     if value.dim() != scores.dim() or value.shape[-2] != scores.shape[-1]:
         raise ValueError(
             f"value must be (..., S, Ev) matching scores (..., L, S): got scores "

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlab._checks import check_floating, check_mask, divisors
+from attnlab._checks import check_floating, check_mask, divisors, real_number
 from attnlab.cache import Cache, SlidingWindowCache
 from attnlab.functional.rotary import RotaryScaling, apply_rotary_qk, rotate_qk
 from attnlab.functional.sdpa import attention_with
@@ -493,5 +493,8 @@ def _check_config(d_model, num_heads, num_kv_heads, head_dim, attn_dropout, out_
     if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 1):
         raise ValueError(f"head_dim must be a positive int; got {head_dim!r}.")
     for name, p in (("attn_dropout", attn_dropout), ("out_dropout", out_dropout)):
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"{name} must be in [0, 1); got {p!r}.")
+        value = real_number(p)
+        if value is None or not 0.0 <= value < 1.0:
+            raise ValueError(
+                f"{name} must be a probability in [0, 1); got {p!r}. Fix: e.g. 0.1, or 0.0."
+            )
