@@ -362,7 +362,33 @@ def test_dropout_p_far_from_one_half_keeps_its_rate(p, low, high):
         assert low <= rare <= high, (p, rare)
     else:  # 5 standard errors: 0.0012
         assert abs(dropped / n - p) < 5 * (p * (1 - p) / n) ** 0.5, dropped / n
-    torch.testing.assert_close(w[w != 0], torch.full_like(w[w != 0], 1 / 2048 / (1 - p)))
+    keep = 1 - round(p * 2**16) / 2**16 if 2**-8 <= p <= 1 - 2**-8 else 1 - p  # (exact here)
+    torch.testing.assert_close(w[w != 0], torch.full_like(w[w != 0], 1 / 2048 / keep))
+
+
+@pytest.mark.parametrize(
+    ("p", "keep"),
+    [
+        (1 - 2**-8 - 2**-18, 2**-8),  # 16-bit draws: 1 - p = 2^-8 (1 + 2^-10) rounds to 2^-8
+        (0.1, 58982 / 2**16),  # 6553.6 dropped of 2^16 rounds to 6554
+        (1 - 2**-33, 2**-32),  # one 32-bit value of 2^32 is the least that can be kept
+        (1e-3, 1 - 4294967 / 2**32),  # 32-bit draws: 4294967.296 rounds to 4294967
+    ],
+)
+def test_dropout_survivors_are_scaled_by_the_inverse_of_the_rate_drawn(p, keep):
+    # before: scaled by 1 / (1 - p) while kept at the rounded rate: the expectation was
+    # keep / (1 - p) of the undropped output, 0.999 at p = 1 - 2^-8 - 2^-18, 2 at 1 - 2^-33
+    q, k, v = inputs(1, 1, 1, 4, 4, 4, 4)
+    assert cf._Plan(q, k, v, None, None, 0.5, p, seed=0).keep == keep
+    if p != 1 - 2**-8 - 2**-18:
+        return
+    q = torch.zeros(1, 1, 2048, 4)  # every weight 1/2048, ~16,000 of 2048^2 kept
+    k = torch.randn(1, 1, 2048, 4, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(4)
+    w = dropped_weights(q, k, p=p)
+    kept = w[w != 0]
+    assert kept.numel() > 10000
+    torch.testing.assert_close(kept, torch.full_like(kept, 1 / 2048 / keep))  # not 1 / (1 - p)
 
 
 def test_dropout_blocks_draw_different_masks(blocks):

@@ -3,11 +3,14 @@
 Math (per head; ``s`` the scale, ``M`` 0 / -inf from the mask and the causal triangle)::
 
     S = s Q K^T + M                 lse_i = log sum_j exp(S_ij)     P = exp(S - lse)
-    O = (P * Z / (1 - p)) V         Z ~ Bernoulli(1 - p), the dropout keep mask (1 if p = 0)
+    O = (P * Z / rho) V             Z ~ Bernoulli(rho), the dropout keep mask (1 if p = 0)
 
-    backward, with W = P * Z / (1 - p) and D_i = sum_e dO_ie O_ie (= sum_j P_ij dP_ij):
-    dV = W^T dO     dP = (dO V^T) * Z / (1 - p)     dS = P * (dP - D)
+    backward, with W = P * Z / rho and D_i = sum_e dO_ie O_ie (= sum_j P_ij dP_ij):
+    dV = W^T dO     dP = (dO V^T) * Z / rho     dS = P * (dP - D)
     dQ = s dS K     dK = s dS^T Q
+
+``rho`` is the keep rate the draws give, ``1 - p`` rounded (:meth:`_Plan.kept`): survivors are
+scaled by exactly its inverse, so the output's expectation is the undropped output.
 
 A row with no attendable key gets ``lse = +inf`` (its max ``m`` is), so its ``P`` row is 0:
 output 0, gradients 0. The forward saves each row's max ``m`` and ``log sum_j exp(S_ij - m)``
@@ -126,7 +129,8 @@ def flash_attention(q, k, v, mask, alignment, scale, dropout_p, generator=None):
             (B, H, L, S); an expanded view stays small (sliced per block, never expanded).
         alignment: None, "top_left" or "bottom_right" causal (see :mod:`attnlab.masks`).
         scale: the scores' multiplier.
-        dropout_p: in [0, 1); survivors are scaled by 1 / (1 - p).
+        dropout_p: in [0, 1); survivors are scaled by 1 / (1 - p), p rounded as the draws
+            round it (:meth:`_Plan.kept`).
         generator: draws the call's dropout seed (default: torch's default generator).
 
     Rows with no attendable key give output 0 and zero gradients. Differentiable in q, k, v.
@@ -194,6 +198,11 @@ class _Plan:
         self.unit = 1.0 if mask is not None and mask.is_floating_point() else LOG2E
         self.scale, self.scale2 = scale, scale * self.unit
         self.p, self.seed = dropout_p, seed
+        # the draws (see kept): `width`-bit integers, `dropped` of every 2^width values dropped
+        # (p rounded; near 1 one value is kept), `keep` = rho the exact keep rate, 1 / rho the scale
+        self.width = 16 if 2**-8 <= dropout_p <= 1 - 2**-8 else 32
+        self.dropped = min(round(dropout_p * 2**self.width), 2**self.width - 1)
+        self.keep = 1.0 - self.dropped / 2**self.width
         self.mask = _mask5(mask, self)
 
     def groups(self):
@@ -274,18 +283,19 @@ class _Plan:
         which is serial and draws one word per element). Each 64-bit word gives four int16
         ``x`` when ``2^-8 <= p <= 1 - 2^-8`` (p rounded to a multiple of 2^-16: the keep rate
         within 2^-17, at most 2^-9 of p or of 1 - p; FlashAttention rounds it to 1/255), else
-        two int32 (p to 2^-32); kept iff ``x >= -2^(w-1) + p 2^w``. The mask is written in the
+        two int32 (p to 2^-32, a keep rate of at least 2^-32); kept iff ``x >= -2^(w-1) +
+        round(p 2^w)``. The rounded rate is ``self.keep``, whose inverse scales the survivors
+        (unbiased, however near 1 p is). The mask is written in the
         softmax dtype, not as bools: comparing into floats and multiplying by them is ~4x
         faster on CPU than through a bool tensor (measured).
         """
         size = math.prod(shape)
-        width = 16 if 2**-8 <= self.p <= 1 - 2**-8 else 32
+        width = self.width
         per_word = 64 // width
         words = np.random.SFC64([self.seed, n]).random_raw((size + per_word - 1) // per_word)
         x = torch.from_numpy(words.view(f"int{width}"))[:size].view(shape)
         keep = scratch_view(scratch, "k", shape, self.dtype)
-        dropped = min(round(self.p * 2**width), 2**width - 1)  # (p near 1: one x kept)
-        return torch.ge(x, -(2 ** (width - 1)) + dropped, out=keep)
+        return torch.ge(x, -(2 ** (width - 1)) + self.dropped, out=keep)
 
     def exp_(self, s):
         """``s`` exponentiated in place in the plan's unit (exp2 for base 2, else exp)."""
@@ -307,7 +317,7 @@ class _Plan:
         total = s.sum(-1, keepdim=True)
         if self.p > 0:  # the sum is of the undropped weights; the dropped ones are zeroed
             s.mul_(self.kept(n, s.shape, scratch))
-        norm = total.reciprocal().masked_fill_(dead, 0.0) / (1.0 - self.p)  # (n, G*R, 1)
+        norm = total.reciprocal().masked_fill_(dead, 0.0) / self.keep  # (n, G*R, 1)
         vb = self.v[bs, js, :kmax].flatten(0, 1)  # (n, kmax, Ev)
         if self.mm_dtype == self.dtype:  # the norm on the small output
             o = torch.bmm(s, vb).mul_(norm)  # (n, G*R, Ev)
@@ -324,8 +334,8 @@ class _Plan:
     def backward_group(self, group, do, D, stats, dq, dk, dv, scratch):
         """dQ of the group's rows, and its kv heads' dK, dV summed over its row blocks.
 
-        With dropout, every product here misses the factor 1 / (1 - p) (``D`` is given times
-        1 - p): dQ gets it with the scale, dK and dV once at the end.
+        With dropout, every product here misses the factor 1 / rho (``D`` is given times rho,
+        the keep rate): dQ gets it with the scale, dK and dV once at the end.
         """
         bs, js, blocks = group
         G, E, Ev, p, mm = self.G, self.E, self.Ev, self.p, self.mm_dtype
@@ -376,12 +386,12 @@ class _Plan:
                 dp = torch.baddbmm(D_b.neg().expand(dp.shape), dob, vb.transpose(1, 2), out=dp)
                 dS = dp.mul_(P)  # P * (dP - D)
             dS_mm = dS.to(mm)
-            dq_b = torch.bmm(dS_mm, kb).mul_(self.scale / (1.0 - p))
+            dq_b = torch.bmm(dS_mm, kb).mul_(self.scale / self.keep)
             dq[bs, js, :, r0:r1] = dq_b.view(shape5)
             dk_blk = dk[bs, js, :kmax].view(-1, kmax, E)
-            # dK = dS^T (s Q / (1 - p)), the factor on the (small) query block, so that a bf16
+            # dK = dS^T (s Q / rho), the factor on the (small) query block, so that a bf16
             # one-block dK is rounded once (a factor after a bf16 GEMM rounds it twice)
-            qb = torch.mul(self.q[bs, js, :, r0:r1], self.scale / (1.0 - p))
+            qb = torch.mul(self.q[bs, js, :, r0:r1], self.scale / self.keep)
             qb = qb.reshape(-1, R, E)  # (n, G*R, E) (a copy for a view of projections)
             if once:
                 dk_blk.add_(torch.bmm(dS_mm.transpose(1, 2), qb))
@@ -445,7 +455,7 @@ def _backward(dout, q, k, v, out, stats, mask, alignment, scale, dropout_p, seed
     D = None  # rowsum(dO * O) (bf16 products: each block sums its own, see backward_group)
     if plan.mm_dtype == plan.dtype:
         D = (do.to(acc) * out.to(acc).view(B, Hkv, G, L, Ev)).sum(-1)
-        D.mul_(1.0 - plan.p)  # (see backward_group)
+        D.mul_(plan.keep)  # (see backward_group)
     dq = torch.empty(B, Hkv, G, L, E, dtype=acc)
     dk = torch.zeros(B, Hkv, S, E, dtype=acc)
     dv = torch.zeros(B, Hkv, S, Ev, dtype=acc)
@@ -456,7 +466,7 @@ def _backward(dout, q, k, v, out, stats, mask, alignment, scale, dropout_p, seed
     return (
         dq.view(B, plan.H, L, E).to(q.dtype),
         dk.to(k.dtype),
-        dv.mul_(1.0 / (1.0 - plan.p)).to(v.dtype),
+        dv.mul_(1.0 / plan.keep).to(v.dtype),
     )
 
 
