@@ -41,9 +41,10 @@ from attnlab._checks import (
     check_floating,
     check_mask,
 )
+from attnlab.functional import _transforms
 from attnlab.functional._layout import with_causal
 from attnlab.functional.nonfinite import propagate_nonfinite
-from attnlab.functional.sdpa import Dispatch
+from attnlab.functional.sdpa import Dispatch, _exporting
 from attnlab.functional.softmax import LOW_PRECISION, attention
 from attnlab.kernels import _triton
 from attnlab.kernels.choice import env_setting
@@ -78,10 +79,19 @@ def tanh_by_sigmoid() -> bool:
     return setting == "sigmoid" if setting != "measure" else _sigmoid_much_faster()
 
 
-@functools.cache
-@torch.compiler.disable
 def _sigmoid_much_faster() -> bool:
-    x = torch.randn(2**18, generator=torch.Generator().manual_seed(0))
+    """:func:`_measured_sigmoid_much_faster`; torch.compile calls it when it traces a call and
+    keeps the answer in the graph as a constant (marked below, as sdpa's _blocked_in_graph)."""
+    return _measured_sigmoid_much_faster()
+
+
+# torch.compiler.assume_constant_result(_sigmoid_much_faster), without importing torch._dynamo
+_sigmoid_much_faster._dynamo_marked_constant = True
+
+
+@functools.cache
+def _measured_sigmoid_much_faster() -> bool:
+    x = torch.linspace(-4.0, 4.0, 2**18)  # (not random: vmap refuses random ops by default)
     out = torch.empty_like(x)
     best = {"sigmoid": math.inf, "tanh": math.inf}
     for _ in range(5):
@@ -105,10 +115,13 @@ def _tanh(a_i: torch.Tensor, b: torch.Tensor, out: torch.Tensor, c: float) -> to
 
 
 class _AdditiveScores(torch.autograd.Function):
-    """s[n, i, j] = w . tanh(a[n, i] + b[n, j]) without storing the (N, L, S, A) tanh."""
+    """s[n, i, j] = w . tanh(a[n, i] + b[n, j]) without storing the (N, L, S, A) tanh.
+
+    Forward and context apart (``setup_context``), so that ``torch.func.grad`` takes it too.
+    """
 
     @staticmethod
-    def forward(ctx, a, b, w, chunk_bytes, c):  # a (N, L, A), b (N, S, A), w (A,); c: _tanh
+    def forward(a, b, w, chunk_bytes, c):  # a (N, L, A), b (N, S, A), w (A,); c: _tanh
         N, L, A = a.shape
         S = b.shape[1]
         rows = _rows_per_chunk(a, S, A, chunk_bytes)
@@ -120,9 +133,13 @@ class _AdditiveScores(torch.autograd.Function):
                 r = min(rows, L - i)
                 t = _tanh(a2[n, i : i + r], b2[n], buf[: r * S * A].view(r, S, A), c)
                 torch.matmul(t, w2, out=scores[n, i : i + r])  # (r, S, A) @ (A,) -> (r, S)
+        return scores
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        a, b, w, chunk_bytes, c = inputs
         ctx.save_for_backward(a, b, w)
         ctx.chunk_bytes, ctx.c = chunk_bytes, c
-        return scores
 
     @staticmethod
     @once_differentiable  # (its buffers are written in place: no graph of the backward)
@@ -196,6 +213,12 @@ def _scores(query, key, w_query, w_key, w_score, bias) -> torch.Tensor:
     N = math.prod(lead)
     a3 = a.expand(*lead, *a.shape[-2:]).reshape(N, *a.shape[-2:])  # (N, L, A)
     b3 = b.expand(*lead, *b.shape[-2:]).reshape(N, *b.shape[-2:])  # (N, S, A)
+    if _readable_because() is not None:  # the naive formula, which they can take
+        return (
+            torch.tanh(a3[:, :, None, :] + b3[:, None, :, :])
+            .matmul(w_score.to(dtype))
+            .view(*lead, a.shape[-2], b.shape[-2])
+        )  # (N, L, S, A) @ (A,) -> (N, L, S)
     c = 0.5 if tanh_by_sigmoid() else 1.0
     scores = _AdditiveScores.apply(
         a3.contiguous(), b3.contiguous(), w_score.to(dtype).contiguous(), CHUNK_BYTES, c
@@ -368,6 +391,17 @@ def explain_additive(
             "triton", (triton_additive.describe(query, key, value, w_score),)
         ).noting_assumption()
     A, L, S = w_score.shape[0], query.shape[-2], key.shape[-2]
+    readable = _readable_because()
+    if readable is not None:
+        return Dispatch(
+            "naive",
+            (
+                f"the fused Triton kernel does not serve: {why}",
+                f"{readable}: the readable formula tanh(W_q q + W_k k + b) w, its (..., L, S, A) "
+                "tanh stored (the chunked path fills buffers in place and defines only a "
+                "backward)",
+            ),
+        ).noting_assumption()
     dtype = torch.float32 if query.dtype in LOW_PRECISION else query.dtype
     rows = min(L, _rows_per_chunk(query.new_empty((), dtype=dtype), S, A, CHUNK_BYTES))
     return Dispatch(
@@ -380,6 +414,18 @@ def explain_additive(
             "the backward",
         ),
     ).noting_assumption()
+
+
+def _readable_because() -> str | None:
+    """Why the scores must be the naive formula's torch ops, or None: under ``torch.func.vmap``
+    or forward-mode AD (:mod:`attnlab.functional._transforms`), or ``torch.export`` (whose
+    program keeps torch's ops, with gradients)."""
+    transform = _transforms.batched_or_forward_mode()
+    if transform is not None:
+        return f"under torch.func.{transform}"
+    if _exporting():
+        return "under torch.export"
+    return None
 
 
 def _check_value(key, value) -> None:
@@ -445,6 +491,8 @@ def _kernel_unfit(query, key, value, w_score, attn_mask, dropout_p, return_weigh
         return "dropout_p > 0: the kernel has no dropout"
     if torch.compiler.is_compiling():
         return "under torch.compile (its graph keeps torch's ops)"
+    if _transforms.active():
+        return "under a torch.func transform (its tensors cannot enter a Triton kernel)"
     from attnlab.kernels import triton_additive  # imports Triton: only now that it may run
 
     return triton_additive.supports(query, key, value, attn_mask, w_score.shape[0])

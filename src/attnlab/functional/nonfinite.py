@@ -32,6 +32,8 @@ import math
 
 import torch
 
+from attnlab.functional import _transforms
+
 inf = float("inf")
 
 _assumed = False  # process-wide, as torch.backends' flags (a compiled graph guards on it)
@@ -180,11 +182,11 @@ def propagate_nonfinite(query, key, value, out, weights=None, kv_finite=None):
 def rows_to_fill(query, key, value, kv_finite=None) -> torch.Tensor | None:
     """The rows a path must make NaN (:func:`nonfinite_rows`), or None where there are none to
     look for: under :class:`assume_finite`, or where an eager CPU screen finds every input
-    finite. Traced (``torch.compile``, ``torch.export``) or on other devices the row check
-    always runs (no data-dependent branch, no host sync)."""
+    finite. Traced (``torch.compile``, ``torch.export``), batched by ``torch.func.vmap`` or on
+    other devices the row check always runs (no data-dependent branch, no host sync)."""
     if _assumed:
         return None
-    if query.is_cpu and not torch.compiler.is_compiling():
+    if query.is_cpu and not torch.compiler.is_compiling() and "vmap" not in _transforms.active():
         if kv_finite is not None:  # the caller vouched for K and V: screen the query only
             clean = all_finite(query) and bool(kv_finite.all())
         else:

@@ -54,7 +54,7 @@ from attnlab._checks import (
     check_scale,
     qkv_fit_shapes,
 )
-from attnlab.functional import _triton, nonfinite
+from attnlab.functional import _transforms, _triton, nonfinite
 from attnlab.functional._layout import (
     as_4d,
     grouped_scores,
@@ -151,6 +151,20 @@ def _choose(
         return Dispatch(
             "eager", ("return_weights with dropout -- the weights must be the dropped ones",)
         )
+    transforms = _transforms.active()  # torch.func's: attnlab's own kernels stand aside
+    if transforms and (
+        "jvp" in transforms  # (torch's fused CPU kernel has no forward-mode AD either)
+        or return_weights
+        or (dropout_p > 0 or query.is_cpu and _trains_16bit(query, key, value))
+        and transforms != {"grad"}  # (the blocked CPU kernel takes torch.func.grad)
+    ):
+        return Dispatch(
+            "eager",
+            (
+                f"under torch.func ({', '.join(sorted(transforms))}): the readable formula, "
+                "which every transform takes (attnlab's kernels fill fresh tensors in place)",
+            ),  # fmt: skip
+        )
     grad = return_weights and _needs_grad(query, key, value, attn_mask)
     if grad and _exporting():  # (export runs its no_grad forward as the graph: no gradients)
         return Dispatch(
@@ -174,6 +188,7 @@ def _choose(
         triton
         and (return_weights or structure != (None, None))
         and not torch.compiler.is_compiling()
+        and not transforms
     ):
         training = _needs_grad(query, key, value, attn_mask)
         unfit = _triton.sdpa_serves(query, structure, return_weights) or _triton.unfit(
@@ -440,11 +455,14 @@ def _plain_fused(query, key, value, is_causal, scale) -> torch.Tensor | None:
     shapes, measured with ``benchmarks/bench_core.py --only overhead``). Served: 4-D inputs that
     :func:`check_qkv` accepts, on the CPU or one CUDA device, none empty; ``is_causal`` False,
     or True with L == S; ``scale`` None or a positive float; outside ``torch.autocast``, traced
-    graphs and DEBUG logging of ``attnlab.dispatch``; not 16-bit training on the CPU (whose
-    kernel is chosen by measurement). Any other call returns None and takes the general route,
-    whose checks raise and whose dispatch logs, with the same result: the same torch call and
-    the same NaN rule (tests/test_dropout_and_dispatch.py compares the two)."""
+    graphs, ``torch.func`` transforms and DEBUG logging of ``attnlab.dispatch``; not 16-bit
+    training on the CPU (whose kernel is chosen by measurement). Any other call returns None and
+    takes the general route, whose checks raise and whose dispatch logs, with the same result:
+    the same torch call and the same NaN rule (tests/test_dropout_and_dispatch.py compares the
+    two)."""
     if _any_autocast is None or _any_autocast() or torch.compiler.is_compiling():
+        return None
+    if _transforms.active():  # (torch.func: see _choose)
         return None
     shapes = qkv_fit_shapes(query, key, value)
     if shapes is None:

@@ -25,7 +25,7 @@ def apply_mask(
         return scores
     if mask.dtype == torch.bool:  # (the bias has the mask's shape, not the scores')
         bias = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
-        return scores + bias.masked_fill_(~mask, float("-inf"))
+        return scores + bias.masked_fill(~mask, float("-inf"))  # (not in place: vmap)
     check_bias_range(mask, scores.dtype, name)
     return scores + mask.to(scores.dtype)
 

@@ -1,0 +1,43 @@
+"""Which ``torch.func`` transforms (vmap, grad, jvp, functionalize) are running this call.
+
+attnlab's own paths write results into fresh tensors in place, read values on the host (the
+NaN rule's screen) and define only a backward. Under ``vmap`` none of that can be batched, and
+forward-mode AD (``jvp``, or ``torch.autograd.forward_ad``) needs a rule they do not have (nor
+does torch's fused CPU kernel); under ``grad`` the in-place writes of the weights path cannot
+take the transform's wrapped tensors. The dispatch asks here and takes torch's ops there (the
+readable formulas, or torch's fused kernel where it serves), which every transform takes. When
+no transform is active the question costs ~0.1 us.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.autograd.forward_ad
+
+_NAMES = {
+    torch._C._functorch.TransformType.Vmap: "vmap",
+    torch._C._functorch.TransformType.Grad: "grad",
+    torch._C._functorch.TransformType.Jvp: "jvp",
+    torch._C._functorch.TransformType.Functionalize: "functionalize",
+}
+
+
+def active() -> frozenset[str]:
+    """The transforms around this call: names of ``torch.func``'s, and ``"jvp"`` inside a
+    ``torch.autograd.forward_ad.dual_level`` (empty outside them)."""
+    if torch.compiler.is_compiling():  # (a traced graph: dynamo cannot read the stack)
+        return frozenset()
+    names = frozenset()
+    if torch.autograd.forward_ad._current_level >= 0:
+        names = frozenset(("jvp",))
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return names
+    stack = torch._C._functorch.get_interpreter_stack()
+    return names | {_NAMES.get(i.key(), "other") for i in stack}
+
+
+def batched_or_forward_mode() -> str | None:
+    """``"vmap"`` or ``"jvp"`` when one runs this call (attnlab's kernels then stand aside), else
+    None."""
+    names = active()
+    return "vmap" if "vmap" in names else "jvp" if "jvp" in names else None

@@ -1,0 +1,254 @@
+"""torch.func transforms through attnlab: vmap, grad, vmap(grad) (per-sample gradients), jvp.
+
+Before, every call under ``vmap`` raised (the NaN rule's screen read values on the host), the
+weights path raised under ``grad``, and forward-mode AD raised on torch's fused CPU kernel and
+on the additive path. Each case here is compared with the same call made without the transform
+(a loop over the batch, autograd, or central differences in float64).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch.func import functional_call, grad, jvp, stack_module_state, vmap
+
+import attnlab.functional as AF
+from attnlab import masks
+from attnlab.nn import MultiHeadAttention
+
+N = 3  # the vmapped dim
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():  # torch: "no batching rule for ... flash_attention_for_cpu"
+        warnings.filterwarnings("ignore", message="There is a performance drop")
+        yield
+
+
+def batch(seed=0, dtype=torch.float32):
+    """(N, B, H, L, E) queries, (N, B, Hkv, S, E) keys and (N, B, Hkv, S, Ev) values."""
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(N, 2, 4, 5, 8, generator=g, dtype=dtype),
+        torch.randn(N, 2, 2, 7, 8, generator=g, dtype=dtype),
+        torch.randn(N, 2, 2, 7, 6, generator=g, dtype=dtype),
+    )
+
+
+def looped(f, *args):
+    """f over the leading dim of every argument, stacked (what vmap must equal)."""
+    outs = [f(*(a[i] for a in args)) for i in range(N)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.stack(parts) for parts in zip(*outs, strict=True))
+    return torch.stack(outs)
+
+
+def assert_same(got, want):
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+MASKS = {
+    "none": None,
+    "bool": torch.rand(N, 2, 1, 5, 7, generator=torch.Generator().manual_seed(1)) > 0.3,
+    "float": torch.randn(N, 2, 1, 5, 7, generator=torch.Generator().manual_seed(2)),
+}
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"is_causal": "bottom_right"},
+        {"return_weights": True},
+        {"return_weights": "average"},
+        {"scale": 0.3},
+    ],
+    ids=["plain", "causal", "weights", "averaged", "scale"],
+)
+def test_vmap_equals_a_loop(kw, mask):
+    q, k, v = batch()
+    m = MASKS[mask]
+    if m is None:
+
+        def f(a, b, c):
+            return AF.scaled_dot_product_attention(a, b, c, **kw)
+
+        assert_same(vmap(f)(q, k, v), looped(f, q, k, v))
+    else:
+
+        def f(a, b, c, d):
+            return AF.scaled_dot_product_attention(a, b, c, d, **kw)
+
+        assert_same(vmap(f)(q, k, v, m), looped(f, q, k, v, m))
+
+
+def test_vmap_keeps_the_nan_rule_per_sample():
+    q, k, v = batch()
+    q[1, 0, 1, 2, 0] = float("nan")
+    out = vmap(AF.scaled_dot_product_attention)(q, k, v)
+    assert out[1, 0, 1, 2].isnan().all()
+    assert int(out.isnan().any(-1).sum()) == 1  # that row of that sample only
+
+
+def test_explain_under_vmap_names_the_path_and_why():
+    q, k, v = batch()
+    seen = []
+
+    def f(a, b, c):
+        seen.append(AF.explain(a, b, c, return_weights=True))
+        return AF.scaled_dot_product_attention(a, b, c, return_weights=True)
+
+    vmap(f)(q, k, v)
+    assert seen[0].path == "eager" and "torch.func (vmap)" in seen[0].reasons[0]
+
+
+def test_per_sample_gradients_equal_a_loop():
+    q, k, v = batch(dtype=F64)
+    pad = masks.padding_mask([3, 7], 7)
+
+    def loss(a, b, c):
+        out, w = AF.scaled_dot_product_attention(a, b, c, pad, return_weights=True)
+        return out.square().sum() + w.square().sum()
+
+    got = vmap(grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    want = looped(grad(loss, argnums=(0, 1, 2)), q, k, v)
+    assert_same(got, want)
+    plain = vmap(grad(lambda a, b, c: AF.scaled_dot_product_attention(a, b, c).sum()))(q, k, v)
+    assert_same(
+        plain, looped(grad(lambda a, b, c: AF.scaled_dot_product_attention(a, b, c).sum()), q, k, v)
+    )
+
+
+@pytest.mark.parametrize("return_weights", [True, "average"])
+def test_func_grad_of_weights_equals_autograd(return_weights):
+    q, k, v = (t[0] for t in batch(dtype=F64))
+
+    def loss(a, b, c):
+        out, w = AF.scaled_dot_product_attention(a, b, c, return_weights=return_weights)
+        return out.sum() + w.square().sum()
+
+    got = grad(loss, argnums=(0, 1, 2))(q, k, v)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    loss(*leaves).backward()
+    assert_same(tuple(got), tuple(t.grad for t in leaves))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"is_causal": "bottom_right"}, {"attn_mask": "bool"}, {"return_weights": True}],
+    ids=["plain", "causal", "mask", "weights"],
+)
+def test_jvp_equals_central_differences(kw):
+    q, k, v = (t[0] for t in batch(dtype=F64))
+    if kw.get("attn_mask") == "bool":
+        kw = {"attn_mask": MASKS["bool"][0]}
+
+    def f(a):
+        out = AF.scaled_dot_product_attention(a, k, v, **kw)
+        return out[0] if isinstance(out, tuple) else out
+
+    t = torch.randn(q.shape, dtype=F64, generator=torch.Generator().manual_seed(5))
+    _, got = jvp(f, (q,), (t,))
+    eps = 1e-6
+    torch.testing.assert_close(
+        got, (f(q + eps * t) - f(q - eps * t)) / (2 * eps), rtol=1e-6, atol=1e-7
+    )
+    with torch.autograd.forward_ad.dual_level():  # forward AD without torch.func, the same
+        dual = torch.autograd.forward_ad.make_dual(q, t)
+        tangent = torch.autograd.forward_ad.unpack_dual(f(dual)).tangent
+    torch.testing.assert_close(tangent, got)
+
+
+def test_additive_attention_under_vmap_grad_and_jvp():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(N, 2, n, d, generator=g, dtype=F64) for n, d in ((5, 8), (7, 6), (7, 4)))
+    w_q, w_k, w = (torch.randn(*s, generator=g, dtype=F64) for s in ((16, 8), (16, 6), (16,)))
+
+    def f(a, b, c):
+        return AF.additive_attention(a, b, c, w_q, w_k, w, return_weights=True)
+
+    assert_same(vmap(f)(q, k, v), looped(f, q, k, v))
+
+    def loss(a, b, c):
+        return AF.additive_attention(a, b, c, w_q, w_k, w).square().sum()
+
+    got = grad(loss, argnums=(0, 1, 2))(q[0], k[0], v[0])
+    leaves = [t[0].clone().requires_grad_() for t in (q, k, v)]
+    loss(*leaves).backward()
+    assert_same(tuple(got), tuple(t.grad for t in leaves))
+    assert_same(
+        vmap(grad(loss, argnums=(0, 1)))(q, k, v), looped(grad(loss, argnums=(0, 1)), q, k, v)
+    )
+    t = torch.randn(q[0].shape, generator=g, dtype=F64)
+    _, tangent = jvp(lambda a: f(a, k[0], v[0])[0], (q[0],), (t,))
+    eps = 1e-6
+    fd = (f(q[0] + eps * t, k[0], v[0])[0] - f(q[0] - eps * t, k[0], v[0])[0]) / (2 * eps)
+    torch.testing.assert_close(tangent, fd, rtol=1e-6, atol=1e-7)
+
+
+def test_vmap_dropout_draws_per_sample_masks_when_asked():
+    q = torch.randn(2, 4, 64, 8).expand(N, -1, -1, -1, -1)
+
+    def f(a):
+        return AF.scaled_dot_product_attention(a, a, a, dropout_p=0.5, return_weights=True)
+
+    _, w = vmap(f, randomness="different")(q)
+    dropped = w == 0
+    assert abs(dropped.double().mean() - 0.5) < 0.02  # 98,304 draws: std 0.0016
+    assert not torch.equal(dropped[0], dropped[1])
+    _, w = vmap(f, randomness="same")(q)
+    assert torch.equal(w[0], w[1])
+
+
+def test_an_ensemble_of_layers_under_vmap_equals_each_layer():
+    torch.manual_seed(0)
+    layers = [MultiHeadAttention(16, 4, num_kv_heads=2) for _ in range(N)]
+    params, buffers = stack_module_state(layers)
+    base = copy.deepcopy(layers[0]).to("meta")
+    x = torch.randn(2, 5, 16)
+    key_mask = torch.tensor([[True] * 5, [True, True, True, False, False]])
+
+    def f(p, b):
+        return functional_call(base, (p, b), (x,), {"key_mask": key_mask, "return_weights": True})
+
+    got = vmap(f)(params, buffers)
+    want = [layer(x, key_mask=key_mask, return_weights=True) for layer in layers]
+    assert_same(got, tuple(torch.stack(parts) for parts in zip(*want, strict=True)))
+
+
+def test_compiled_and_exported_graphs_stay_whole():
+    # the transforms question must not break a graph; additive attention's tanh choice (a
+    # measurement) was a graph break under fullgraph=True, and an exported module holding
+    # AdditiveAttention raised ("functions with out=... arguments don't support automatic
+    # differentiation")
+    from attnlab.nn import AdditiveAttention
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 4)
+    x, key_mask = torch.randn(2, 5, 16), torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+    f = torch.compile(lambda x, m: layer(x, key_mask=m, return_weights=True), fullgraph=True)
+    assert_same(f(x, key_mask), layer(x, key_mask=key_mask, return_weights=True))
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = AdditiveAttention(8, 6, 5)
+
+        def forward(self, q, k, m):
+            return self.attention(q, k, key_mask=m)
+
+    model = Wrapped()
+    q, k, m = torch.randn(2, 3, 8), torch.randn(2, 4, 6), key_mask[:, :4]
+    compiled = torch.compile(model, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, m), model(q, k, m))
+    exported = torch.export.export(model, (q, k, m))
+    torch.testing.assert_close(exported.module()(q, k, m), model(q, k, m))
