@@ -47,6 +47,65 @@ def test_auto_max_tokens_measures_the_probe_on_cuda(monkeypatch):
     assert gpu.auto_max_tokens(step, 1024, "cpu", base=1536)[0] == 1536
 
 
+def test_probe_step_runs_a_real_backward_and_leaves_no_trace():
+    """The probe is one forward+backward (it once ran under no_grad, so its backward raised
+    "element 0 of tensors does not require grad" and --max-tokens auto crashed on CUDA)."""
+    from attnlab.translate.batching import Encoded
+    from attnlab.translate.models import build_model, model_config
+    from attnlab.translate.trainer import probe_step
+
+    torch.manual_seed(0)
+    model = build_model(model_config("rnn", "luong-general", "tiny"), 50)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = Encoded([[5, 6, 7]] * 10, [[8, 9]] * 10)
+    rng = torch.get_rng_state()
+    with torch.no_grad():  # whatever the caller's grad mode
+        tokens = probe_step(model, data, "cpu", 1536, "fp32")
+    # one batch of all 10 pairs: sources of 3 tokens + EOS, targets BOS + 2 tokens
+    assert tokens == 10 * (3 + 1) + 10 * (1 + 2) == 70
+    assert all(p.grad is None for p in model.parameters())  # gradients dropped
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)  # random state untouched
+
+
+def test_train_with_auto_batches_runs_the_real_probe_on_cuda_figures(tmp_path, monkeypatch, capsys):
+    """``attnlab train --max-tokens auto`` end to end with the real probe step: on CPU, with the
+    CUDA branch of auto_max_tokens taken and the device's memory figures stood in."""
+    mib = 2**20
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 100 * mib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 148 * mib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 80 * 2**30))
+    probes = []
+    real = gpu.auto_max_tokens
+
+    def on_cuda(step, probe_tokens, device, base):
+        assert device == "cpu"  # (the model trains on CPU; only the sizing takes CUDA's path)
+        return real(lambda: probes.append(step()), probe_tokens, "cuda:0", base)
+
+    monkeypatch.setattr(gpu, "auto_max_tokens", on_cuda)
+    parser = argparse.ArgumentParser()
+    cmd_train.add_arguments(parser)
+    out = tmp_path / "run"
+    argv = ["--task", "dates", "--tiny", "--max-steps", "2", "--train-size", "200"]
+    argv += ["--eval-limit", "5", "--threads", "1", "--no-progress", "--out", str(out)]
+    argv += ["--max-tokens", "auto", "--device", "cpu"]
+    assert cmd_train.main(parser.parse_args(argv)) == 0
+    from attnlab.translate.settings import MODEL_DEFAULTS
+
+    config = json.loads((out / "config.json").read_text())
+    base = MODEL_DEFAULTS[config["model"]["kind"]]["max_tokens"]
+    # the probe ran once (a real batch); 48 MiB for `base` tokens, 1 GiB free
+    assert len(probes) == 1 and probes[0] > 0
+    expected = int(gpu.MEMORY_SHARE * 2**30 / (48 * mib / base)) // 256 * 256
+    assert (
+        config["train"]["max_tokens"] == expected == gpu.scaled_tokens(base, 48 * mib, 2**30, base)
+    )
+    assert f"--max-tokens auto -> {expected} " in capsys.readouterr().err
+
+
 def test_precision_auto_is_float32_on_cpu_and_choices_are_checked():
     assert gpu.resolve_precision(None, "cpu") == "fp32"
     assert gpu.resolve_precision("auto", "cpu") == "fp32"
