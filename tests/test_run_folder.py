@@ -269,3 +269,36 @@ def test_bpe_tokenizer_with_other_special_ids_is_refused(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ckpt.RunFileError, match=r"tokenizer\.json: .*'<pad>' must have id 0"):
         Tokenizer.load(path)
+
+
+# ------------------------------------------------------------------------------ unfinished runs
+def test_evaluating_an_unfinished_run_says_so(run_copy, capsys):
+    """Without model.safetensors the last checkpoint is scored: a warning names its step and
+    the run's budget, and the scores record both (they once came with exit 0 and no word)."""
+    (run_copy / W).unlink()
+    edit_json(run_copy / C, lambda c: c["train"].update(max_steps=20))  # 12 of 20 steps done
+    capsys.readouterr()
+    argv = ["evaluate", str(run_copy), "--limit", "2", "-b", "1", "--no-aer", "--no-progress"]
+    assert cli.main([*argv, "--json"]) == 0
+    out, err = capsys.readouterr()
+    res = json.loads(out)
+    assert (res["checkpoint_step"], res["finished"]) == (12, False)
+    assert "no model.safetensors" in err and "checkpoint, step 12" in err
+    assert "training has not finished" in err and "its budget is 20 steps" in err
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "the weights of checkpoint step 12 (training unfinished)" in out and "step 12" in err
+
+    edit_json(run_copy / C, lambda c: c["train"].update(max_steps=12))  # its whole budget
+    tr = load_run(run_copy)
+    assert (tr.checkpoint_step, tr.finished) == (12, True)
+    err = capsys.readouterr().err
+    assert "used its whole budget (12 steps)" in err and "--resume" in err
+
+
+def test_a_finished_run_records_its_final_weights(good_run, capsys):
+    tr = load_run(good_run)
+    assert (tr.checkpoint_step, tr.finished) == (None, True)
+    assert capsys.readouterr().err == ""
+    results = json.loads((good_run / ckpt.RESULTS).read_text())["test"]
+    assert (results["checkpoint_step"], results["finished"]) == (None, True)

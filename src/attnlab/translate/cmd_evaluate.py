@@ -62,9 +62,12 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(res, indent=1, ensure_ascii=False))
         return 0
     m = translator.config["model"]
+    step = res["checkpoint_step"]
     print(
         f"{args.run_dir}: {m['kind']} with {m['attention']} attention, "
         f"{translator.num_parameters:,} parameters"
+        + (f"; the weights of checkpoint step {step}" if step is not None else "")
+        + ("" if res["finished"] else " (training unfinished)")
     )
     print(
         "\n".join(format_scores(res, args.split, alignment_heading="attention as word alignment:"))

@@ -119,7 +119,9 @@ def evaluate(
     limit: int | None = None,
 ) -> dict:
     """All scores of ``translator`` on ``task``'s ``split`` (a dict, JSON-able); ``limit``:
-    its first that many pairs only (``"of"`` then says how many the split holds)."""
+    its first that many pairs only (``"of"`` then says how many the split holds).
+    ``"finished"`` is False and ``"checkpoint_step"`` a step when the weights scored are a
+    checkpoint of a run whose training has not finished (see :class:`Translator`)."""
     whole = task.split(split)
     pairs = whole[:limit]
     translations, seconds = translate_split(
@@ -133,6 +135,9 @@ def evaluate(
         "cut_at_length_limit": sum(not t.complete for t in translations),
         "decode_seconds": round(seconds, 1),
         "beam_size": beam_size or translator.decode_options.get("beam_size", 4),
+        # None: the run's final weights; else the step of the checkpoint of an unfinished run
+        "checkpoint_step": getattr(translator, "checkpoint_step", None),
+        "finished": getattr(translator, "finished", True),
     }
     result.update(bleu_chrf(hyps, refs))
     if task.exact_match:

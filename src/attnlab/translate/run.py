@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,6 +168,12 @@ class Translator:
         run_dir: a folder written by ``attnlab train``.
         device: ``"cpu"`` or ``"cuda"``.
 
+    A run whose training has not finished (interrupted, or still training) has no final
+    ``model.safetensors``: its latest checkpoint is loaded instead, with a warning on stderr
+    naming the checkpoint's step and the run's budget. ``checkpoint_step`` is then that step
+    (None when the final weights are loaded) and ``finished`` whether the checkpoint had used
+    up the run's budget (True for the final weights); :func:`evaluate` records both.
+
     ``compile_decoding = True`` (a Transformer's run) decodes with the decoder step compiled
     once and replayed (CUDA graphs on a GPU: see :meth:`TransformerSeq2Seq.start`); the same
     translations. It is for where launches dominate a step (a GPU); on CPU decoding was 1.05-1.3x
@@ -192,6 +199,8 @@ class Translator:
             )
         self.device = torch.device(device)
         weights = self.run_dir / ckpt.WEIGHTS
+        self.checkpoint_step: int | None = None  # (the final weights)
+        self.finished = True
         if not weights.is_file():
             latest = ckpt.latest_checkpoint(self.run_dir)
             if latest is None:
@@ -199,7 +208,7 @@ class Translator:
                     f"{self.run_dir} has no trained weights yet; finish training with: "
                     f"attnlab train --out {self.run_dir} --resume"
                 )
-            weights = latest / ckpt.WEIGHTS  # an interrupted run: use its last checkpoint
+            weights = latest / ckpt.WEIGHTS  # an unfinished run: use its last checkpoint
         tensors = ckpt.load_tensors(weights)
         need = _weights_bytes(self.config["model"], self.tokenizer.vocab_size)
         have = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -214,6 +223,29 @@ class Translator:
         ckpt.load_model_state(self.model, tensors, weights)
         self.model.to(self.device).eval()
         self.decode_options = dict(self.config.get("decode", {}))
+        if weights.parent != self.run_dir:  # (said once loaded: a damaged one said its error)
+            self._from_checkpoint(weights.parent)
+
+    def _from_checkpoint(self, folder: Path) -> None:
+        """Record and say that the weights are a checkpoint's, and how far training had got."""
+        from attnlab.translate.cmd_train import budget_reached, done_so_far
+
+        state = ckpt.read_checkpoint_state(folder)
+        train = self.config["train"]
+        self.checkpoint_step = int(state["step"])
+        self.finished = budget_reached(train, done_so_far(state)) is not None
+        resume = f"attnlab train --out {self.run_dir} --resume"
+        if self.finished:
+            how = f"training used its whole budget ({describe_budget(train)}), but its final "
+            how += f"files were not written; finish them with: {resume}"
+        else:
+            how = "training has not finished (interrupted, or still training) and its budget is "
+            how += f"{describe_budget(train)}: not the trained model. Train on with: {resume}"
+        print(
+            f"warning: {self.run_dir} has no {ckpt.WEIGHTS}: these are the weights of its last "
+            f"checkpoint, step {self.checkpoint_step}; {how}",
+            file=sys.stderr,
+        )
 
     def _check_vocabulary(self, tensors: dict, weights: Path) -> None:
         """Weights whose vocabulary rows differ from the tokenizer's size (and nothing else):
@@ -332,6 +364,24 @@ class Translator:
                 a = None if attn is None else attn[row][..., :T, :S].float().cpu().numpy()
                 out[i] = (src_enc[i][1], tgt_enc[i][1], a)
         return out
+
+
+def describe_budget(train: dict) -> str:
+    """A run's training budget in words: ``"300 steps"``, ``"the first of 2 epochs, 5.00
+    minutes of training"``."""
+    parts = [
+        text
+        for key, text in (
+            ("max_steps", f"{train.get('max_steps')} steps"),
+            ("epochs", f"{train.get('epochs', 0):g} epochs"),
+            ("train_seconds", f"{train.get('train_seconds', 0) / 60:.2f} minutes of training"),
+            ("cpu_seconds", f"{train.get('cpu_seconds', 0) / 60:.2f} CPU-minutes of training"),
+        )
+        if train.get(key)
+    ]
+    if not parts:
+        return "none recorded"
+    return parts[0] if len(parts) == 1 else "the first of " + ", ".join(parts)
 
 
 def load_run(run_dir: str | os.PathLike[str], device: str = "cpu") -> Translator:
