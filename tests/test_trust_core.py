@@ -614,3 +614,100 @@ def test_additive_attention_beyond_four_dims_and_its_second_derivative():
     (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         dq.sum().backward()
+
+
+# --- found by a review of the layers and the functional API ------------------------------------
+
+
+def test_layer_refuses_a_3d_mask_that_broadcasting_would_read_per_head():
+    # before: a Keras-style (B, L, S) mask with B == H was applied to head b of every batch row
+    # (weights on padded keys, no error); with B != H it raised a broadcast error
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 4).eval()
+    x = torch.randn(4, 5, 16)
+    lengths = torch.tensor([5, 4, 2, 1])
+    keras = (torch.arange(5)[None, None] < lengths[:, None, None]).expand(4, 5, 5)
+    with pytest.raises(ValueError, match=r"ambiguous.*mask\[:, None\] for \(B, 1, L, S\)"):
+        layer(x, mask=keras)
+    out, w = layer(x, mask=keras[:, None], return_weights=True)  # the fix the message names
+    assert w[3, :, :, 1:].abs().max() == 0 and w[2, :, :, 2:].abs().max() == 0
+    torch.testing.assert_close(out, layer(x, key_mask=keras[:, 0]))
+    layer(x, mask=keras[:1])  # (1, L, S) means one thing: taken
+
+
+def test_from_torch_keeps_the_modules_mode_and_frozen_weights():
+    # before: the converted layer was always in training mode: attention dropout ran on an
+    # eval-mode model (outputs off by 0.16)
+    torch.manual_seed(0)
+    module = nn.MultiheadAttention(16, 4, dropout=0.1, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    layer = MultiHeadAttention.from_torch(module)
+    assert not layer.training
+    torch.testing.assert_close(layer(x), module(x, x, x)[0])
+    assert MultiHeadAttention.from_torch(module.train()).training
+    module.requires_grad_(False)
+    assert not any(p.requires_grad for p in MultiHeadAttention.from_torch(module).parameters())
+
+
+def test_layer_refuses_kv_with_key_or_value():
+    # before: key= and value= were dropped without a word when kv= was given
+    layer = MultiHeadAttention(16, 4)
+    x, src = torch.randn(2, 5, 16), torch.randn(2, 3, 16)
+    with pytest.raises(ValueError, match="kv= .* replaces key= and value="):
+        layer(x, key=src, kv=layer.project_kv(src))
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.2, "0.1"])
+def test_classic_layers_check_dropout_when_built(bad):
+    # before: accepted, and raised only at the first forward in training mode
+    from attnlab.nn import AdditiveAttention, LuongAttention
+
+    for build in (
+        lambda: AdditiveAttention(8, 6, 5, dropout=bad),
+        lambda: LuongAttention(8, 8, score="general", dropout=bad),
+        lambda: DotProductAttention(dropout=bad),
+        lambda: MultiHeadAttention(16, 4, attn_dropout=bad),
+    ):
+        with pytest.raises(ValueError, match=r"dropout must be a probability in \[0, 1\)"):
+            build()
+
+
+def test_a_mask_shared_through_dlpack_forgets_its_structure():
+    # before: writes through torch.from_dlpack(mask) bypassed the version counters and the
+    # kernels kept skipping keys by the lengths the mask was built from
+    mask = masks.padding_mask([6, 3])
+    assert masks.structure(mask)[0] is not None
+    shared = torch.from_dlpack(mask)
+    shared[1, 0, 0, :] = True
+    assert masks.structure(mask) == (None, None)  # its values alone say what it masks
+    q, k, v = qkv(B=2, H=2, Hkv=2, L=4, S=6)
+    got = AF.scaled_dot_product_attention(q, k, v, mask)
+    torch.testing.assert_close(got, AF.scaled_dot_product_attention(q, k, v, mask.data.clone()))
+
+
+def test_mask_builders_take_integers_only():
+    # before: causal_mask(2.5, 4) built a mask from fractional positions; a numpy window was
+    # refused where a numpy max_length was taken
+    with pytest.raises(ValueError, match=r"query_length must be an int >= 0.*2.5"):
+        masks.causal_mask(2.5, 4, alignment="bottom_right")
+    with pytest.raises(ValueError, match=r"key_length must be an int >= 0.*-1"):
+        masks.causal_mask(2, -1, alignment="top_left")
+    assert torch.equal(
+        masks.sliding_window_mask(np.int64(4), window=np.int64(2)),
+        masks.sliding_window_mask(4, window=2),
+    )
+
+
+def test_scores_and_additive_attention_check_scale_and_dtypes():
+    # before: scaled_dot_product_scores(scale=nan) gave all-NaN scores; additive attention ran
+    # a float64 key in the float32 query's precision without a word
+    q, k, _ = qkv()
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        AF.scaled_dot_product_scores(q, k, scale=nan)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 8, generator=g), torch.randn(2, 5, 6, generator=g)
+    w_q, w_k, w = torch.randn(16, 8), torch.randn(16, 6), torch.randn(16)
+    with pytest.raises(TypeError, match="query and key must share one dtype"):
+        AF.additive_attention(q, k.double(), k.double(), w_q, w_k, w)
+    with pytest.raises(TypeError, match="key and value must share one dtype"):
+        AF.additive_attention(q, k, k.half(), w_q, w_k, w)

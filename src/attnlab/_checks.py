@@ -277,13 +277,13 @@ def check_bias_range(
         )
 
 
-def check_dropout(dropout_p: float) -> float:
-    """``dropout_p`` as a Python number, or raise unless it is a probability in [0, 1)
-    (numpy scalars and 0-d tensors are taken, as torch takes them)."""
+def check_dropout(dropout_p: float, name: str = "dropout_p") -> float:
+    """``dropout_p`` as a Python number, or raise (naming it ``name``) unless it is a
+    probability in [0, 1) (numpy scalars and 0-d tensors are taken, as torch takes them)."""
     value = real_number(dropout_p)
     if value is None or not 0.0 <= value < 1.0:
         raise ValueError(
-            f"dropout_p must be a probability in [0, 1); got {dropout_p!r}. "
+            f"{name} must be a probability in [0, 1); got {dropout_p!r}. "
             f"Fix: pass e.g. 0.1, or 0.0 to disable dropout."
         )
     return value

@@ -140,6 +140,10 @@ class Mask(torch.Tensor):
         return array
 
     def __dlpack__(self, *args, **kwargs):
+        """Its tensor, shared (zero-copy, as DLPack means), so the mask forgets its structure:
+        writes through the other library bypass torch's version counters, and from now on
+        its values alone tell what it masks."""
+        self._built_version = None
         return self._data.__dlpack__(*args, **kwargs)
 
     def __dlpack_device__(self):
@@ -239,12 +243,27 @@ def show(mask: torch.Tensor, max_rows: int = 24, max_cols: int = 48) -> str:
     return "\n".join(lines)
 
 
+def _count(value, name: str, minimum: int, what: str):
+    """``value`` as an int (a Python, numpy or 0-d torch integer; not a bool or a float) of at
+    least ``minimum``, or a ValueError naming ``name`` and ``what`` it counts. A symbolic size
+    (torch.compile, torch.export) passes as it is."""
+    if isinstance(value, torch.SymInt):
+        return value
+    try:
+        ok = not isinstance(value, bool) and operator.index(value) >= minimum
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be an int >= {minimum} ({what}); got {value!r}.")
+    return operator.index(value)
+
+
 def _positions(query_length: int, key_length: int | None, alignment: str | None, device):
     """Absolute positions of the queries and keys on one time axis, per the causal alignment."""
+    query_length = _count(query_length, "query_length", 0, "L, the queries")
     if key_length is None:
         key_length = query_length
-    if query_length < 0 or key_length < 0:
-        raise ValueError(f"lengths must be >= 0; got L={query_length}, S={key_length}.")
+    key_length = _count(key_length, "key_length", 0, "S, the keys")
     if alignment is None:
         if query_length != key_length:
             raise ValueError(
@@ -308,8 +327,7 @@ def sliding_window_mask(
         · ■ ■ ■ ·
         · · ■ ■ ■
     """
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an int >= 1 (keys seen per query); got {window!r}.")
+    window = _count(window, "window", 1, "keys seen per query")
     q_pos, k_pos = _positions(query_length, key_length, alignment, device)
     distance = q_pos - k_pos  # (L, S): how far key j lies behind query i
     keep = (distance < window) & (distance > -window)
@@ -362,13 +380,7 @@ def padding_mask(
     if side not in ("right", "left"):
         raise ValueError(f"side must be 'right' or 'left'; got {side!r}.")
     if max_length is not None:
-        try:  # an int, a numpy or 0-d torch integer; not a bool or a float
-            ok = not isinstance(max_length, bool) and operator.index(max_length) >= 0
-        except TypeError:
-            ok = False
-        if not ok:
-            raise ValueError(f"max_length must be an int >= 0 (S, the keys); got {max_length!r}.")
-        max_length = operator.index(max_length)
+        max_length = _count(max_length, "max_length", 0, "S, the keys")
     longest = int(lengths.max()) if len(lengths) else 0
     if max_length is None:
         max_length = longest

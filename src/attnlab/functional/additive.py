@@ -236,6 +236,12 @@ def _projections(query, key, w_query, w_key, bias, dtype):
 
 
 def _check_additive_shapes(query, key, w_query, w_key, w_score, bias) -> None:
+    if key.dtype != query.dtype:  # (the weights may differ: cast to the compute dtype)
+        raise TypeError(
+            f"query and key must share one dtype; got {query.dtype} and {key.dtype}: the "
+            f"computation would silently run in the query's. Fix: cast one, e.g. "
+            f"key.to(query.dtype)."
+        )
     A = w_score.shape[0] if w_score.dim() == 1 else None
     problems = []
     if A is None:
@@ -430,6 +436,12 @@ def _readable_because() -> str | None:
 
 def _check_value(key, value) -> None:
     check_floating("value", value)
+    if value.dtype != key.dtype:
+        raise TypeError(
+            f"key and value must share one dtype; got {key.dtype} and {value.dtype}: the "
+            f"computation would silently run in the query's. Fix: cast one, e.g. "
+            f"value.to(key.dtype)."
+        )
     if value.shape[-2] != key.shape[-2]:
         raise ValueError(
             f"key and value must have the same length S; got key {tuple(key.shape)} and value "

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from attnlab._checks import check_floating, check_qkv
+from attnlab._checks import check_floating, check_qkv, check_scale
 from attnlab.functional._layout import as_4d, grouped_scores
 from attnlab.functional.additive import additive_scores
 
@@ -67,8 +67,9 @@ def scaled_dot_product_scores(
     Shapes as :func:`dot_product_scores`.
     Reference: :func:`attnlab.reference.scaled_dot_product_scores`.
     """
+    scale = check_scale(scale)
     if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
+        scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0  # (E = 0: all 0)
     return _dot(query, key) * scale
 
 

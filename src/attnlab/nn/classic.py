@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from attnlab import functional as AF
+from attnlab._checks import check_dropout
 from attnlab.masks import restrict
 from attnlab.nn._names import FORWARD, refuse
 
@@ -75,7 +76,7 @@ class AdditiveAttention(nn.Module):
         self.q_proj = nn.Linear(query_dim, attn_dim, bias=bias)  # W_q, b
         self.k_proj = nn.Linear(key_dim, attn_dim, bias=False)  # W_k
         self.score = nn.Linear(attn_dim, 1, bias=False)  # w (Bahdanau's v_a)
-        self.dropout = dropout
+        self.dropout = check_dropout(dropout, "dropout")
 
     def project_keys(self, key: torch.Tensor) -> torch.Tensor:
         """(B, S, Dk) -> (B, S, A): ``W_k k``, reusable at every decoder step."""
@@ -156,7 +157,7 @@ class LuongAttention(nn.Module):
                 f'score="general" (learns W of shape ({query_dim}, {key_dim})).'
             )
         self.score_name, self.query_dim, self.key_dim = score, query_dim, key_dim
-        self.dropout = dropout
+        self.dropout = check_dropout(dropout, "dropout")
         if score == "general":
             self.weight = nn.Linear(key_dim, query_dim, bias=False)  # W: k -> W k
         elif score == "concat":
@@ -225,7 +226,7 @@ class DotProductAttention(nn.Module):
 
     def __init__(self, scaled: bool = True, *, dropout: float = 0.0) -> None:
         super().__init__()
-        self.scaled, self.dropout = scaled, dropout
+        self.scaled, self.dropout = scaled, check_dropout(dropout, "dropout")
 
     def forward(
         self,

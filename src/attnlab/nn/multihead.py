@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlab._checks import check_floating, check_mask, divisors, real_number
+from attnlab._checks import check_dropout, check_floating, check_mask, divisors
 from attnlab.cache import Cache, SlidingWindowCache
 from attnlab.functional.rotary import RotaryScaling, apply_rotary_qk, rotate_qk
 from attnlab.functional.sdpa import attention_with
@@ -223,6 +223,12 @@ class MultiHeadAttention(nn.Module):
                 f"build one with attnlab.cache.DynamicCache() (Hugging Face caches belong to "
                 f"Hugging Face models; attnlab.integrations.transformers runs those)."
             )
+        if kv is not None and (key is not None or value is not None):
+            raise ValueError(
+                "kv= (keys and values already projected by project_kv) replaces key= and "
+                "value=; got both, and one would be ignored. Fix: pass kv=layer.project_kv(key, "
+                "value), or key= and value= alone."
+            )
         _check_width("query", query, self.d_model, self.q_proj.weight.dtype)
         B, L, _ = query.shape
         q = self.q_proj(query).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
@@ -372,7 +378,9 @@ class MultiHeadAttention(nn.Module):
         ``attn_mask`` and ``key_padding_mask`` mean True = *not* allowed (convert them with
         :func:`attnlab.masks.from_torch_mask`; float masks are additive in both). To keep
         torch's interface and meanings instead, load the module's ``state_dict()`` into
-        :class:`attnlab.compat.MultiheadAttention`.
+        :class:`attnlab.compat.MultiheadAttention`. The layer takes the module's mode (train
+        or eval: attention dropout only in training) and, when every parameter is frozen,
+        stays frozen.
 
         Raises:
             TypeError: ``module`` is not a ``torch.nn.MultiheadAttention``.
@@ -429,11 +437,28 @@ class MultiHeadAttention(nn.Module):
                     layer.o_proj.bias.zero_()
                 else:
                     layer.o_proj.bias.copy_(module.out_proj.bias)
-        return layer
+        frozen = not any(p.requires_grad for p in module.parameters())
+        if frozen:  # (a frozen module stays frozen)
+            layer.requires_grad_(False)
+        return layer.train(module.training)  # (eval: no attention dropout, as the module)
 
 
 def _check_user_mask(mask, scores_shape, cache, device) -> None:
-    """:func:`check_mask` against the scores (B, H, L, S), saying what S is with a cache."""
+    """:func:`check_mask` against the scores (B, H, L, S), saying what S is with a cache.
+
+    A 3-D mask (n, L, S) with n > 1 is refused: Keras's ``attention_mask`` is (B, L, S) and
+    torch's 3-D ``attn_mask`` (B*H, L, S), while broadcasting would read it as (H, L, S) --
+    silently wrong for both when n == H.
+    """
+    if isinstance(mask, torch.Tensor) and mask.dim() == 3 and mask.shape[0] > 1:
+        B, H = scores_shape[:2]
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} is ambiguous: a 3-D mask may be per batch row "
+            f"(B, L, S), as Keras's attention_mask, or per head, and broadcasting against the "
+            f"scores (B, H, L, S) = {tuple(scores_shape)} would read it per head. Fix: "
+            f"mask[:, None] for (B, 1, L, S) (B = {B}), or mask[None] for (1, H, L, S) "
+            f"(H = {H}); for torch's (B*H, L, S) attn_mask, mask.view(B, H, L, S)."
+        )
     try:
         check_mask(mask, scores_shape, name="mask", device=device)
     except ValueError as error:
@@ -492,9 +517,5 @@ def _check_config(d_model, num_heads, num_kv_heads, head_dim, attn_dropout, out_
         )
     if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 1):
         raise ValueError(f"head_dim must be a positive int; got {head_dim!r}.")
-    for name, p in (("attn_dropout", attn_dropout), ("out_dropout", out_dropout)):
-        value = real_number(p)
-        if value is None or not 0.0 <= value < 1.0:
-            raise ValueError(
-                f"{name} must be a probability in [0, 1); got {p!r}. Fix: e.g. 0.1, or 0.0."
-            )
+    check_dropout(attn_dropout, "attn_dropout")
+    check_dropout(out_dropout, "out_dropout")
