@@ -272,3 +272,45 @@ def test_a_budget_that_ends_before_the_first_step_says_so(tmp_path, capsys):
     assert code == 0, err
     assert "warning: nothing was trained" in err and "--more-steps" in err
     assert ckpt.read_checkpoint_state(ckpt.latest_checkpoint(out))["step"] == 0
+
+
+# ------------------------------------------------------------------------------ divergence advice
+def test_the_divergence_advice_names_only_options_train_accepts(tmp_path):
+    """The advice once said "--clip (e.g. --clip 1.0)": train had no --clip, and 1.0 was the
+    clip already in use. Every option it names now parses, with a value unlike the run's."""
+    import argparse
+    import re
+
+    from attnlab.translate import cmd_train
+    from attnlab.translate.trainer import TrainOptions, TrainState, _diverged
+
+    parser = argparse.ArgumentParser()
+    cmd_train.add_arguments(parser)
+    # the default clip (1.0) is halved; a run that did not clip is told to
+    for opts, clip in ((TrainOptions(), "0.5"), (TrainOptions(clip=0.0), "1.0")):
+        said = str(_diverged("the training loss is nan", TrainState(step=7), 1e-3, tmp_path, opts))
+        fix = said.split("Fix: ")[1]
+        named = re.findall(r"(--[a-z][a-z-]*)(?: (\d[\d.e-]*))?", fix)
+        assert {name for name, _ in named} == {"--lr", "--clip", "--force"}
+        for name, value in named:
+            parser.parse_args([name, value] if value else [name])  # (argparse exits if not)
+        assert dict(named)["--lr"] == "0.00025"  # a quarter of the default 1e-3
+        assert dict(named)["--clip"] == clip
+
+
+def test_clip_is_a_train_option_and_is_checked(capsys):
+    import argparse
+
+    from attnlab.translate import cmd_train
+    from attnlab.translate.pipeline import build_config, resolve
+
+    parser = argparse.ArgumentParser()
+    cmd_train.add_arguments(parser)
+    for clip in ("0.5", "0"):
+        args = parser.parse_args(["--task", "dates", "--clip", clip])
+        config = build_config(resolve(cmd_train.options_from_args(args)))
+        assert config["train"]["clip"] == float(clip)
+    for bad in ("-1", "nan", "inf", "strong"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--clip", bad])
+        assert "--clip: " in capsys.readouterr().err

@@ -132,6 +132,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (a gradient-norm clip, where 0 turns it off)."""
+    value = _parse_number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a number >= 0; got {text!r}: pass 0 or more (0 turns it off)"
+        )
+    return value
+
+
 def fraction(text: str) -> float:
     """A number in [0, 1) (dropout)."""
     value = _parse_number(text, float)

@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from attnlab.cli import (
         device_name,
         fraction,
+        non_negative_float,
         non_negative_int,
         positive_float,
         positive_int,
@@ -163,6 +164,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=positive_float, default=None, help="peak learning rate")
     g.add_argument("--warmup", type=non_negative_int, default=None, help="warm-up steps")
     g.add_argument(
+        "--clip",
+        type=non_negative_float,
+        default=None,
+        metavar="NORM",
+        help="clip the gradient's norm to this (default 1.0; 0: no clipping)",
+    )
+    g.add_argument(
         "--max-tokens",
         type=tokens_or_auto,
         default=None,
@@ -279,6 +287,7 @@ def options_from_args(args: argparse.Namespace) -> dict:
         "cpu_budget",
         "lr",
         "warmup",
+        "clip",
         "max_tokens",
         "precision",
         "max_len",

@@ -179,6 +179,7 @@ OPTION_OF = {
     "dec_layers": "--layers",
     "dropout": "--dropout",
     "lr": "--lr",
+    "clip": "--clip",
     "max_tokens": "--max-tokens",
     "precision": "--precision",
     "max_len": "--max-len",

@@ -195,17 +195,24 @@ class Diverged(ValueError):
     saves nothing of it: the run folder keeps its last finite checkpoint, if any."""
 
 
-def _diverged(what: str, state, lr: float, run_dir: Path) -> Diverged:
+def _diverged(what: str, state, lr: float, run_dir: Path, opts: TrainOptions) -> Diverged:
     latest = ckpt.latest_checkpoint(run_dir)
     kept = (
         f"{run_dir} keeps its last checkpoint, step {ckpt.read_checkpoint_state(latest)['step']}"
         if latest is not None
         else f"{run_dir} has no checkpoint yet"
     )
+    # (options of `attnlab train`, with values that differ from this run's)
+    clip = (
+        f"--clip {opts.clip / 2:g} (this run clipped the gradient's norm to {opts.clip:g})"
+        if opts.clip
+        else "--clip 1.0 (this run did not clip)"
+    )
     return Diverged(
         f"training diverged at step {state.step}: {what} (learning rate then {lr:.3g}); "
-        f"nothing of it was saved and {kept}. Fix: train again with a smaller --lr or with "
-        f"--clip (e.g. --clip 1.0), with --force to start this run over"
+        f"nothing of it was saved and {kept}. Fix: train again with a smaller peak learning "
+        f"rate, e.g. --lr {opts.lr / 4:g} (this run's: {opts.lr:g}), and/or a tighter {clip}, "
+        f"with --force to start this run over"
     )
 
 
@@ -220,7 +227,7 @@ def token_loss(logits, target, label_smoothing: float = 0.0) -> torch.Tensor:
     )
 
 
-@torch.no_grad()
+@torch.enable_grad()  # (its backward needs the graph, whatever the caller's grad mode)
 def probe_step(model, data: Encoded, device, max_tokens: int, precision: str) -> int:
     """One forward+backward of the first batch of ``max_tokens`` (for sizing batches from
     the memory it takes); gradients dropped, random state untouched. Returns its tokens."""
@@ -369,7 +376,7 @@ def fit(
         # A finite loss can still end in weights of inf (an overflowing gradient): never saved
         # over a finite checkpoint. (Every process checks: their weights are the same.)
         if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-            raise _diverged("the weights hold a NaN or an inf", state, lr, run_dir)
+            raise _diverged("the weights hold a NaN or an inf", state, lr, run_dir, opts)
         if dist.main:
             ckpt.save_checkpoint(run_dir, state.step, model, optimizer, state.to_dict())
         saved_step = state.step
@@ -479,7 +486,7 @@ def fit(
                     tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
                     bad = bool(flag > 0)
                 if bad:  # (its weights, stepped on a NaN, are not saved: see save)
-                    raise _diverged(f"the training loss is {tok_loss}", state, lr, run_dir)
+                    raise _diverged(f"the training loss is {tok_loss}", state, lr, run_dir, opts)
                 smooth_loss = (
                     tok_loss if smooth_loss is None else 0.98 * smooth_loss + 0.02 * tok_loss
                 )
