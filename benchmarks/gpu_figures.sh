@@ -43,15 +43,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm 
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
       "triton", triton.__version__, "transformers", t.__version__)' 2>&1 | tee "$logs/versions.log"
 case "${1:-}" in
-0)  # (the leases of 2026-11-26 took the figures in benchmarks/results/; this takes what changed
-    # since: the weights kernels' pipelined loops, the forward's and backward's unmasked
-    # interior blocks with their tiles swept, the additive backward's new tiles)
-    STEP_LIMIT=150 run gpu_check "$py" benchmarks/gpu_check.py
-    STEP_LIMIT=150 run bench_gpu_weights "$py" benchmarks/bench_gpu.py --only weights --sweep
-    STEP_LIMIT=240 run bench_gpu_padding "$py" benchmarks/bench_gpu.py --only padding --sweep
-    STEP_LIMIT=40 run bench_gpu_overhead "$py" benchmarks/bench_gpu.py --only overhead
-    STEP_LIMIT=60 run bench_gpu_decode "$py" benchmarks/bench_gpu.py --only decode
-    run bench_gpu_additive "$py" benchmarks/bench_gpu_additive.py  # (as it goes)
+0)  # (for the next lease: what changed since the H100 figures of 2026-11-28, untimed there: the
+    # kernels' (B, H, L, 2) row statistics, the decode merge's weights, and issue 11's decode
+    # table with weights at decode; the H100 run cut gpu_check's additive section at 150 s)
+    STEP_LIMIT=220 run gpu_check "$py" benchmarks/gpu_check.py
+    STEP_LIMIT=50 run bench_gpu_decode "$py" benchmarks/bench_gpu.py --only decode
+    STEP_LIMIT=150 run bench_decode "$py" benchmarks/bench_decode.py --config issue --batch 4 \
+        --prompt 128 --quick
+    STEP_LIMIT=60 run bench_gpu_weights "$py" benchmarks/bench_gpu.py --only weights
+    run bench_gpu_padding "$py" benchmarks/bench_gpu.py --only padding  # (as it goes)
     ;;
 1)
     run gpu_check "$py" benchmarks/gpu_check.py
