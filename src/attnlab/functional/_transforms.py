@@ -12,8 +12,10 @@ no transform is active the question costs ~0.1 us.
 from __future__ import annotations
 
 import torch
-import torch.autograd.forward_ad
+import torch.autograd.forward_ad as _forward_ad
+from torch._C._functorch import peek_interpreter_stack as _peek
 
+_NONE: frozenset[str] = frozenset()
 _NAMES = {
     torch._C._functorch.TransformType.Vmap: "vmap",
     torch._C._functorch.TransformType.Grad: "grad",
@@ -24,16 +26,15 @@ _NAMES = {
 
 def active() -> frozenset[str]:
     """The transforms around this call: names of ``torch.func``'s, and ``"jvp"`` inside a
-    ``torch.autograd.forward_ad.dual_level`` (empty outside them)."""
-    if torch.compiler.is_compiling():  # (a traced graph: dynamo cannot read the stack)
-        return frozenset()
-    names = frozenset()
-    if torch.autograd.forward_ad._current_level >= 0:
-        names = frozenset(("jvp",))
-    if torch._C._functorch.peek_interpreter_stack() is None:
-        return names
-    stack = torch._C._functorch.get_interpreter_stack()
-    return names | {_NAMES.get(i.key(), "other") for i in stack}
+    ``torch.autograd.forward_ad.dual_level`` (empty outside them, and in traced graphs)."""
+    if _peek() is None and _forward_ad._current_level < 0:  # (the common case first: ~0.1 us)
+        return _NONE
+    if torch.compiler.is_compiling():  # (dynamo cannot read the interpreter stack)
+        return _NONE
+    names = {"jvp"} if _forward_ad._current_level >= 0 else set()
+    if _peek() is not None:
+        names |= {_NAMES.get(i.key(), "other") for i in torch._C._functorch.get_interpreter_stack()}
+    return frozenset(names)
 
 
 def batched_or_forward_mode() -> str | None:
