@@ -435,6 +435,6 @@ def test_max_len_counts_what_it_leaves_out_of_validation_and_the_report_says_on_
     assert "training pair(s) of 18 tokens or more left out" in err
     results = json.loads((out / "results.json").read_text())
     assert results["train"]["val_loss_pairs"] == 300
-    assert "(first 300 validation pairs)" in stdout
+    assert "(on a fixed random sample of 300 validation pairs)" in stdout
     for name in ("bleu_signature", "chrf_signature"):
         assert f"sacrebleu {results['test'][name]}" in stdout

@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from attnlab.data import words
+from attnlab.translate.batching import fixed_sample
 from attnlab.translate.metrics import (
     alignment_scores,
     bleu_chrf,
@@ -31,7 +32,7 @@ def translate_split(translator, pairs, *, beam_size=None, progress=True):
     return out, time.perf_counter() - start
 
 
-HEAD_SELECTION_PAIRS = 200  # validation pairs on which the reported best head is chosen
+HEAD_SELECTION_PAIRS = 200  # validation pairs (a fixed random sample) the best head is chosen on
 
 
 def alignment_error(
@@ -145,7 +146,8 @@ def evaluate(
     if aer and split in task.alignments:
         choose_on = None  # the best head is chosen on validation pairs, not on those scored
         if split != "validation" and "validation" in task.alignments:
-            chosen = task.split("validation")[:HEAD_SELECTION_PAIRS]
+            validation = task.split("validation")
+            chosen = [validation[i] for i in fixed_sample(len(validation), HEAD_SELECTION_PAIRS)]
             choose_on = ("validation", chosen, task.alignments["validation"])
         scores = alignment_error(
             translator,

@@ -175,7 +175,7 @@ def print_report(results: dict) -> None:
         )
         + f", validation loss {tr['val_loss']}"
         + (
-            f" (first {tr['val_loss_pairs']:,} validation pairs)"
+            f" (on a fixed random sample of {tr['val_loss_pairs']:,} validation pairs)"
             if tr.get("val_loss_pairs")
             else ""
         )

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from attnlab._files import kill_point
 from attnlab.translate import checkpoint as ckpt
 from attnlab.translate import gpu
-from attnlab.translate.batching import Encoded, collate, epoch_batches, shard
+from attnlab.translate.batching import Encoded, collate, epoch_batches, fixed_sample, shard
 from attnlab.translate.tokenizer import PAD
 
 
@@ -70,7 +70,7 @@ class TrainOptions:
     cpu_seconds: float | None = None
     seed: int = 1
     eval_every: float = 0.2  # validation loss every this fraction of progress
-    val_pairs: int = 300  # validation pairs used for that (the first ones)
+    val_pairs: int = 300  # validation pairs used for that (a fixed random sample)
     checkpoint_seconds: float = 120.0  # seconds of training between checkpoints
     precision: str = "fp32"  # "bf16": forward and loss under torch.autocast (translate/gpu.py)
 
@@ -381,10 +381,14 @@ def fit(
             ckpt.save_checkpoint(run_dir, state.step, model, optimizer, state.to_dict())
         saved_step = state.step
 
+    # the same validation pairs at every validation, in every run and resume; spread over the
+    # whole split (its first pairs can be one part of it: the Bible's first books)
+    chosen = fixed_sample(len(val_data), opts.val_pairs)
+    subset = Encoded([val_data.src[i] for i in chosen], [val_data.tgt[i] for i in chosen])
+
     def validate() -> None:
         if not dist.main:
             return
-        subset = Encoded(val_data.src[: opts.val_pairs], val_data.tgt[: opts.val_pairs])
         loss = validation_loss(model, subset, device)
         rec = {
             "val_pairs": len(subset),
