@@ -314,3 +314,25 @@ def test_clip_is_a_train_option_and_is_checked(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(["--clip", bad])
         assert "--clip: " in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ data.tsv digest
+def test_a_run_whose_data_changed_is_not_evaluated_on_another_test_set(run_copy, capsys):
+    """A --data run records its data.tsv's SHA-256; evaluate and --resume refuse the file once
+    it changed (before: evaluate scored whatever test split the new file gave, exit 0)."""
+    import hashlib
+
+    data = run_copy / "data.tsv"
+    task = json.loads((run_copy / ckpt.CONFIG).read_text())["task"]
+    assert task["data_sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+    evaluate = ("evaluate", run_copy, "--limit", "2", "--no-aer", "--no-progress", "--json")
+    assert attnlab(capsys, *evaluate)[0] == 0
+    original = data.read_bytes()
+    data.write_text(PAIRS.replace("number 7\t", "number 70\t"), encoding="utf-8")
+    for argv in (evaluate, ("train", "--out", run_copy, "--resume", "--more-steps", "1", *QUIET)):
+        code, err = attnlab(capsys, *argv)
+        said = one_line_error(err)
+        assert code == 2 and f"{data}: its contents changed since the run was trained" in said
+        assert "put back the file the run was trained on" in said and "--data" in said
+    data.write_bytes(original)
+    assert attnlab(capsys, *evaluate)[0] == 0

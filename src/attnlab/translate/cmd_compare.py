@@ -27,7 +27,7 @@ import shutil
 import time
 from pathlib import Path
 
-from attnlab._files import atomic_write_json, atomic_write_text, file_sha256
+from attnlab._files import atomic_write_json, atomic_write_text
 
 VARIANTS = (
     "rnn-none",
@@ -236,13 +236,6 @@ def write_table(out: Path, rows: list[dict], title: str) -> None:
         pass
 
 
-def _sha256(path: str) -> str | None:
-    try:
-        return file_sha256(path)
-    except OSError:
-        return None  # a missing file fails later, with the task's own message
-
-
 def _show_data(s: dict) -> str:
     return f"--data {s['data']}" if s["task"] == "tsv" else f"--task {s['task']}"
 
@@ -262,6 +255,8 @@ def resolve_settings(args: argparse.Namespace, recorded: dict | None) -> tuple[d
 
     A setting the command line does not give is the recorded one (or the default).
     """
+    from attnlab.translate.tasks import data_sha256
+
     given: dict = {}
     if args.data is not None:
         given.update(task="tsv", data=str(Path(args.data).resolve()))
@@ -279,7 +274,7 @@ def resolve_settings(args: argparse.Namespace, recorded: dict | None) -> tuple[d
     settings = {"eval_limit": None, **base, **given}
     if "budget" not in settings:  # a clock budget by default, shorter for the quick task
         settings["budget"] = ["time_budget", 2.0 if settings["task"] == "dates" else 10.0]
-    settings["data_sha256"] = _sha256(settings["data"]) if settings["task"] == "tsv" else None
+    settings["data_sha256"] = data_sha256(settings["data"]) if settings["task"] == "tsv" else None
     if recorded is None:
         return settings, []
     diffs = []
@@ -295,13 +290,13 @@ def resolve_settings(args: argparse.Namespace, recorded: dict | None) -> tuple[d
 
 def _config_diffs(saved: dict, config: dict, run_dir: Path) -> list[str]:
     """How a variant's saved config.json differs from the one these settings give (the task's
-    file and split rule aside: the file is compared by its bytes)."""
-    from attnlab.translate.tasks import DATA_FILE
+    file, its digest and split rule aside: the file is compared by its bytes)."""
+    from attnlab.translate.tasks import DATA_FILE, data_sha256
 
     diffs = []
     for section in ("task", "tokenizer", "model"):
         old, new = saved.get(section) or {}, config[section]
-        for key in sorted((set(old) | set(new)) - {"path", "split"}):
+        for key in sorted((set(old) | set(new)) - {"path", "split", "data_sha256"}):
             if old.get(key) != new.get(key):
                 diffs.append(f"{section}.{key} {old.get(key)} (now {new.get(key)})")
     old, new = saved.get("train") or {}, config["train"]
@@ -309,7 +304,7 @@ def _config_diffs(saved: dict, config: dict, run_dir: Path) -> list[str]:
         if old.get(key) != new.get(key):
             diffs.append(f"train.{key} {old.get(key)} (now {new.get(key)})")
     if config["task"]["name"] == "tsv" and not diffs:
-        if _sha256(str(run_dir / DATA_FILE)) != _sha256(config["task"]["path"]):
+        if data_sha256(run_dir / DATA_FILE) != data_sha256(config["task"]["path"]):
             diffs.append(f"its {DATA_FILE} differs from --data {config['task']['path']}")
     return diffs
 

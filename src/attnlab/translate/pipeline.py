@@ -21,7 +21,7 @@ from attnlab.translate import checkpoint as ckpt
 from attnlab.translate import gpu
 from attnlab.translate.models import build_model, count_parameters, model_config
 from attnlab.translate.settings import MODEL_DEFAULTS, PRESETS, TASK_DEFAULTS
-from attnlab.translate.tasks import DATA_FILE, run_task, task_spec
+from attnlab.translate.tasks import DATA_FILE, data_sha256, run_task, task_spec
 from attnlab.translate.tokenizer import SPECIALS, Tokenizer
 from attnlab.translate.trainer import (
     TrainOptions,
@@ -392,7 +392,8 @@ def data_in_run_dir(config: dict, run_dir: Path) -> bool:
 
 
 def place_data(config: dict, run_dir: Path) -> None:
-    """Copy a user's pairs file into the run folder and point ``config`` at the copy.
+    """Copy a user's pairs file into the run folder, point ``config`` at the copy and record
+    its SHA-256.
 
     A run folder is self-contained: ``evaluate`` and ``--resume`` read the data from inside it
     (:func:`attnlab.translate.tasks.run_task`), never from a path a config.json names. A
@@ -404,6 +405,8 @@ def place_data(config: dict, run_dir: Path) -> None:
     if not data_in_run_dir(config, run_dir):
         shutil.copyfile(spec["path"], run_dir / DATA_FILE)
     spec["path"] = DATA_FILE
+    # checked whenever the run reads its pairs again (evaluate, --resume: tasks.run_task)
+    spec["data_sha256"] = data_sha256(run_dir / DATA_FILE)
 
 
 def read_run_config(run_dir: str | os.PathLike[str]) -> dict:

@@ -30,6 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnlab._files import file_sha256
 from attnlab.data import Alignment, Pair
 
 TASKS = ("bible", "dates", "tsv")
@@ -151,9 +152,28 @@ def run_task(run_dir: str | os.PathLike[str], spec: dict) -> Task:
             f"{config}: task.path {path!r}: no such file in the run folder (the run was trained "
             f"on it; put it back to evaluate or resume)"
         )
+    recorded = spec.get("data_sha256")  # (runs trained before it was recorded: not checked)
+    if recorded is not None and data_sha256(full) != recorded:
+        raise ValueError(
+            f"{run_dir / path}: its contents changed since the run was trained on it (its "
+            f"SHA-256 is not the data_sha256 in {config}), so its splits are no longer the ones "
+            f"the run trained and was scored on. Fix: put back the file the run was trained "
+            f"on, or train a new run on this one: attnlab train --data {run_dir / path} "
+            f"--out NEW_RUN"
+        )
     # A run recorded before the split had a rule name was split by the legacy rule: keep the
     # split it was trained on, or its test pairs could be pairs it trained on.
     return load_task({"split": LEGACY_SPLIT, **spec, "path": str(full)})
+
+
+def data_sha256(path: str | os.PathLike[str]) -> str | None:
+    """The SHA-256 of a pairs file (recorded in a ``--data`` run's config.json, and in
+    ``attnlab compare``'s settings); None when it cannot be read (a missing file fails later,
+    with the task's own message)."""
+    try:
+        return file_sha256(path)
+    except OSError:
+        return None
 
 
 def task_spec(task: str, data: str | None, skip_bad_lines: bool, train_size: int | None) -> dict:
