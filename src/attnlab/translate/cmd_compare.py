@@ -192,9 +192,9 @@ def write_table(out: Path, rows: list[dict], title: str) -> None:
         ("chrf", "chrF"),
         ("exact_match", "exact %"),
         ("cut_at_length_limit", "cut at limit"),
-        ("aer", "AER %"),
-        ("aer_referenced", "AER ref. %"),
-        ("best_head_aer", "best head AER ref. %"),
+        ("aer_referenced", "AER %"),
+        ("best_head_aer", "best head AER %"),
+        ("aer", "AER all words %"),
     )
     keys, headers = zip(*shown, strict=True)
 
@@ -218,8 +218,11 @@ def write_table(out: Path, rows: list[dict], title: str) -> None:
     lines += [
         "",
         "AER: alignment error rate of the cross-attention (Transformer: average of all "
-        "heads; best head in the last column) against the reference word alignments; "
-        "'ref.' scores only target words that have a reference link. Lower is better.",
+        "heads; 'best head': the head chosen on validation pairs) against the reference word "
+        "alignments, over the target words that have a reference link. Lower is better. "
+        "'AER all words' counts the target words without any reference link too, which no "
+        "aligner gets right (a perfect one scores ~24% on the Bible test split, ~11% on "
+        "dates).",
     ]
     if "cut_at_length_limit" in (keys[i] for i in show):
         lines += [
@@ -493,7 +496,7 @@ def main(args: argparse.Namespace) -> int:
         rows.append(row)
         log(
             f"    BLEU {row['bleu']}  chrF {row['chrf']}  "
-            f"AER {row['aer']} / {row['aer_referenced']}"
+            f"AER {row['aer_referenced']} (all target words {row['aer']})"
             + (f"  exact {row['exact_match']}%" if row["exact_match"] != "" else "")
         )
         write_table(out, rows, title)

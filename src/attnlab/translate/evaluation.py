@@ -188,22 +188,28 @@ def format_scores(res: dict, split: str, *, alignment_heading: str) -> list[str]
     return lines
 
 
+ALL_WORDS = "over all target words, including words with no reference link"
+
+
 def format_alignment(al: dict) -> list[str]:
-    """Readable lines for an alignment result."""
-    lines = [f"AER {al['aer']:.1f}%  (referenced target words only: {al['aer_referenced']:.1f}%)"]
+    """Readable lines for an alignment result. The AER over target words with a reference link
+    comes first: the one over all target words counts the words no reference links against any
+    aligner (a perfect one scores ~24% on the Bible test split, ~11% on dates)."""
+    lines = [f"AER {al['aer_referenced']:.1f}%  ({ALL_WORDS}: {al['aer']:.1f}%)"]
     if "heads" in al:
         lines[0] = "head average: " + lines[0]
         for k, v in al["layers"].items():
             lines.append(
-                f"  {k} head average: AER {v['aer']:.1f}% / referenced {v['aer_referenced']:.1f}%"
+                f"  {k} head average: AER {v['aer_referenced']:.1f}% / over all target words "
+                f"{v['aer']:.1f}%"
             )
-        row = "  per head (layer.head: referenced AER): " + ", ".join(
+        row = "  per head (layer.head: AER): " + ", ".join(
             f"{k}: {v['aer_referenced']:.1f}" for k, v in al["heads"].items()
         )
         lines.append(row)
         b = al["best_head"]
         lines.append(
             f"  best head {b['head']} (chosen on {b.get('chosen_on', 'these pairs')}): AER "
-            f"{b['aer']:.1f}% / referenced {b['aer_referenced']:.1f}%"
+            f"{b['aer_referenced']:.1f}% / over all target words {b['aer']:.1f}%"
         )
     return lines

@@ -13,9 +13,11 @@ usual convention (e.g. Zenkel et al. 2019, Garg et al. 2019):
 
 The attention row used for target token ``t`` is the one computed while *predicting* ``t``
 (teacher forcing on the reference translation), as in Bahdanau et al. (2015) and Luong et al.
-(2015). AER is reported twice: ``raw`` scores every predicted link; ``referenced`` drops links
-of target words the reference says nothing about (:func:`attnlab.data.keep_referenced`; in the
-Bible corpus untagged words have no reference link at all, so they can only add errors).
+(2015). AER is reported twice: ``referenced`` (the headline figure) drops links of target
+words the reference says nothing about (:func:`attnlab.data.keep_referenced`); ``aer`` scores
+every predicted link, over all target words. In the Bible corpus untagged words have no
+reference link at all, so they can only add errors: a perfect aligner's ``aer`` is ~24% on the
+test split (~11% on dates), its ``referenced`` AER ~0.
 """
 
 from __future__ import annotations

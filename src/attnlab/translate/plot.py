@@ -97,7 +97,7 @@ def compare_figure(rows: list[dict], title: str = ""):
     names = [r["variant"] for r in rows]
     metrics = [("bleu", "BLEU (higher is better)"), ("chrf", "chrF (higher is better)")]
     if any(r.get("aer_referenced") not in (None, "") for r in rows):
-        metrics.append(("aer_referenced", "AER % (referenced; lower is better)"))
+        metrics.append(("aer_referenced", "AER % (lower is better)"))
     if any(r.get("exact_match") not in (None, "") for r in rows):
         metrics.append(("exact_match", "exact match % (higher is better)"))
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 0.45 * len(names) + 1.8))
