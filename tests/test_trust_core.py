@@ -711,3 +711,25 @@ def test_scores_and_additive_attention_check_scale_and_dtypes():
         AF.additive_attention(q, k.double(), k.double(), w_q, w_k, w)
     with pytest.raises(TypeError, match="key and value must share one dtype"):
         AF.additive_attention(q, k, k.half(), w_q, w_k, w)
+
+
+def test_attention_over_given_scores_follows_the_value_side_of_the_nan_rule():
+    # before: a NaN in a value that every query masks made only its column NaN (0 * NaN in the
+    # product), and an unmasked +inf value gave inf, not NaN: attention(scores(q, k), v) was not
+    # scaled_dot_product_attention(q, k, v) -- in the oracle too
+    q, k, v = (t.double() for t in qkv(B=2, H=4, Hkv=2, L=3, S=5, E=4, Ev=3))
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[:, 2] = False
+    for bad in (nan, inf):
+        v_bad = v.clone()
+        v_bad[1, 0, 2, 0] = bad  # batch 1, kv head 0 (query heads 0 and 1), a masked key
+        scores = AF.scaled_dot_product_scores(q, k)
+        out, w = AF.attention(scores, v_bad, mask, return_weights=True)
+        ref_out, ref_w = R.attention(np64(scores), np64(v_bad), np64(mask), return_weights=True)
+        np.testing.assert_array_equal(out.isnan().numpy(), np.isnan(ref_out))
+        np.testing.assert_array_equal(w.isnan().numpy(), np.isnan(ref_w))
+        assert out[1, :2].isnan().all() and w[1, :2].isnan().all()  # every row of both heads
+        assert torch.isfinite(out[0]).all() and torch.isfinite(out[1, 2:]).all()
+        sdpa = AF.scaled_dot_product_attention(q, k, v_bad, mask)
+        torch.testing.assert_close(out, sdpa, equal_nan=True)
+        np.testing.assert_allclose(out[0].numpy(), ref_out[0], atol=1e-12)

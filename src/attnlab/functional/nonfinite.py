@@ -196,6 +196,20 @@ def rows_to_fill(query, key, value, kv_finite=None) -> torch.Tensor | None:
     return nonfinite_rows(query, key, value, kv_finite)
 
 
+def value_heads_to_fill(value: torch.Tensor, H: int) -> torch.Tensor | None:
+    """The value side of the rule for attention over given scores: (B, Hkv, S, Ev) -> (B, H, 1,
+    1) bool, the heads that read a NaN or an inf among their values (masked or not), or None
+    where there is nothing to fill (as :func:`rows_to_fill`: under :class:`assume_finite`, or
+    where an eager CPU screen finds ``value`` finite)."""
+    if _assumed:
+        return None
+    eager_cpu = value.is_cpu and not torch.compiler.is_compiling()
+    if eager_cpu and "vmap" not in _transforms.active() and all_finite(value):
+        return None
+    heads = ~torch.isfinite(_max_abs(value, 2))  # (B, Hkv, 1, 1)
+    return heads if value.shape[1] == H else heads.repeat_interleave(H // value.shape[1], 1)
+
+
 def all_finite(*tensors: torch.Tensor) -> bool:
     """Whether no tensor holds a NaN or an inf (eager; reads each once, syncs with the host).
 

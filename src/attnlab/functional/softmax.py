@@ -8,6 +8,7 @@ import torch
 
 from attnlab._checks import check_bias_range, check_dropout, check_floating, check_mask
 from attnlab.functional._layout import grouped_weighted_sum
+from attnlab.functional.nonfinite import fill_nan, value_heads_to_fill
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -103,7 +104,9 @@ def attention(
             the output).
 
     Returns:
-        (B, H, L, Ev), and the (B, H, L, S) weights if ``return_weights``.
+        (B, H, L, Ev), and the (B, H, L, S) weights if ``return_weights``. NaN and inf follow
+        the rule of docs/conventions.md: a NaN (or ``+inf``) score makes its row NaN, a NaN or
+        an inf in a value every row of the heads that read it, masked or not.
 
     Reference: :func:`attnlab.reference.attention`.
     """
@@ -138,6 +141,10 @@ def attention(
     w4 = weights.reshape((1,) * (4 - weights.dim()) + tuple(weights.shape))
     v4 = value.reshape((1,) * (4 - value.dim()) + tuple(value.shape))
     out = grouped_weighted_sum(w4, v4.to(weights.dtype))
+    bad = value_heads_to_fill(v4, w4.shape[1])  # (the scores' own NaN rows: masked_softmax)
+    if bad is not None:  # a NaN or an inf in a value reaches every row of its heads, masked or not
+        out = fill_nan(out, bad)
+        weights = fill_nan(w4, bad).reshape(weights.shape)
     out = out.reshape(tuple(weights.shape[:-2]) + tuple(out.shape[-2:]))
     return (out, weights) if return_weights else out
 

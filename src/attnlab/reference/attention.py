@@ -73,6 +73,10 @@ def attention(scores, value, attn_mask=None, *, dropout_p=0.0, return_weights=Fa
     weights = _dropout(masked_softmax(scores, attn_mask), dropout_p)
     value = _repeat_kv(_f64(value), _heads(weights))
     out = weights @ value
+    # a NaN or an inf in a value reaches every row of the heads that read it, masked or not
+    # (docs/conventions.md; a NaN or +inf score already made its row NaN in masked_softmax)
+    bad = ~np.isfinite(value).all(axis=(-2, -1), keepdims=True)  # [..., H, 1, 1]
+    out, weights = _propagate(out, weights, bad)
     return (out, weights) if return_weights else out
 
 
