@@ -120,3 +120,19 @@ def test_unknown_split_messages():
         load_bible("dev")
     with pytest.raises(ValueError, match=r"\['validation', 'test'\]"):
         load_alignments("train")
+
+
+def test_the_exact_duplicates_the_docstring_counts():
+    """attnlab.data.bible's docstring counts the test verses train repeats: 13 English texts,
+    8 Spanish ones, 5 whole pairs (validation: 14, 15, 13)."""
+    train = load_bible("train")
+    sources, targets = {p.source for p in train}, {p.target for p in train}
+    pairs = {(p.source, p.target) for p in train}
+    for split, expected in (("test", (13, 8, 5)), ("validation", (14, 15, 13))):
+        held = load_bible(split)
+        found = (
+            sum(p.source in sources for p in held),
+            sum(p.target in targets for p in held),
+            sum((p.source, p.target) in pairs for p in held),
+        )
+        assert found == expected, split
