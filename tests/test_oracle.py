@@ -739,3 +739,26 @@ def test_rotary_scaling_from_hugging_face_parameters():
     )
     short = {k: v for k, v in llama31.items() if k != "original_max_position_embeddings"}
     assert AF.RotaryScaling.from_hf(short, 4096).original_context == 4096
+
+
+def test_the_oracle_refuses_what_its_torch_twins_refuse():
+    # before: the oracle clipped lengths past max_length, read a negative or fractional length
+    # as a mask, read an int 0/1 mask as a bias, crossed a 4-D mask's batch with 3-D inputs,
+    # and raised a bare broadcast error for Hkv not dividing H -- specifications that answer
+    # where the implementations refuse
+    bad = [
+        (lambda: R.padding_mask([5, 2], 3), ValueError, "lengths must be <= max_length=3"),
+        (lambda: R.padding_mask([-1, 2]), ValueError, "integers >= 0"),
+        (lambda: R.padding_mask([2.5, 1]), ValueError, "integers >= 0"),
+        (lambda: R.document_mask([1.5, 2]), ValueError, "integers >= 0"),
+        (lambda: R.masked_softmax(np.zeros((1, 5)), np.array([[1, 0, 0, 0, 0]])), TypeError,
+         "bool .* or a float bias"),
+        (lambda: R.scaled_dot_product_attention(np.zeros((2, 3, 4)), np.zeros((2, 5, 4)),
+         np.zeros((2, 5, 2)), np.ones((2, 1, 3, 5), bool)), ValueError, "more dims than"),
+        (lambda: R.scaled_dot_product_attention(np.zeros((1, 3, 3, 4)), np.zeros((1, 2, 5, 4)),
+         np.zeros((1, 2, 5, 2))), ValueError, "Hkv=2 must divide H=3"),
+    ]  # fmt: skip
+    for call, error, message in bad:
+        with pytest.raises(error, match=message):
+            call()
+    assert R.padding_mask(np.array([2, 0]), 3).ravel().tolist() == [1, 1, 0, 0, 0, 0]

@@ -26,6 +26,10 @@ def _apply_mask(scores, mask):
     if mask is None:
         return scores
     mask = np.asarray(mask)
+    if mask.dtype != bool and not np.issubdtype(mask.dtype, np.floating):  # (as the torch twin)
+        raise TypeError(f"a mask is bool (True = may attend) or a float bias; got {mask.dtype}")
+    if mask.ndim > scores.ndim:  # (it would cross its batch with the scores')
+        raise ValueError(f"mask {mask.shape} has more dims than the scores {scores.shape}")
     if mask.dtype == bool:
         with np.errstate(invalid="ignore"):  # inf - inf
             return np.where(mask, scores, scores - np.inf)
@@ -51,6 +55,8 @@ def _repeat_kv(x, query_heads):
     # (inputs without a heads dim, or with as many heads, or one to broadcast: as they are)
     if x.ndim < 4 or not 1 < x.shape[-3] < query_heads:
         return x
+    if query_heads % x.shape[-3]:
+        raise ValueError(f"Hkv={x.shape[-3]} must divide H={query_heads}")
     return np.repeat(x, query_heads // x.shape[-3], axis=-3)
 
 

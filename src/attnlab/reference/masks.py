@@ -37,11 +37,21 @@ def sliding_window_mask(query_length, key_length=None, *, window, alignment=None
     return keep & (distance >= 0) if causal else keep
 
 
+def _lengths(lengths):
+    # (as the torch twin: bad input is refused) integers >= 0
+    lengths = np.asarray(lengths)
+    if not np.issubdtype(lengths.dtype, np.integer) or (lengths < 0).any():
+        raise ValueError(f"lengths must be integers >= 0; got {lengths.tolist()}")
+    return lengths
+
+
 def padding_mask(lengths, max_length=None, *, side="right"):
     # [B] -> [B, 1, 1, S]: True marks a real token
-    lengths = np.asarray(lengths)
+    lengths = _lengths(lengths)
     if max_length is None:
         max_length = int(lengths.max())
+    if (lengths > max_length).any():
+        raise ValueError(f"lengths must be <= max_length={max_length}; got {lengths.tolist()}")
     pos = np.arange(max_length)[None, :]
     if side not in ("right", "left"):
         raise ValueError(f"side must be 'right' or 'left'; got {side!r}")
@@ -54,5 +64,5 @@ def padding_mask(lengths, max_length=None, *, side="right"):
 
 def document_mask(lengths):
     # [documents] -> [T, T], T = sum(lengths): token i may attend token j iff same document
-    doc = np.repeat(np.arange(len(lengths)), lengths)
+    doc = np.repeat(np.arange(len(lengths)), _lengths(lengths))
     return doc[:, None] == doc[None, :]

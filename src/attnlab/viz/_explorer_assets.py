@@ -603,7 +603,8 @@ JS = r"""
     " target × " + S + " source tokens" : " tokens") + " · " + NL + " layers × " + H + " heads" +
     (DATA.text ? " · “" + DATA.text.slice(0, 120) + (DATA.text.length > 120 ? "…" : "") + "”" : "");
   document.getElementById("notes").textContent = "Weights are stored with 8 bits per weight, " +
-    "relative to the largest weight of their row (error ≤ 0.2% of that weight)" +
+    "relative to the largest weight of their row (error ≤ 0.2% of that largest weight; " +
+    "weights below 1/510 of it show as 0)" +
     (enc.exact.length ? "; the weights on the tokens that can be set aside (" +
       enc.exact.map((j) => "“" + short(KT[j]) + "”").join(", ") + ") exactly, and the 8 bits " +
       "relative to the rest of the row" : "") +

@@ -24,9 +24,10 @@ Storage (the file stays small, and long inputs stay responsive):
 * The keys the page can set aside (the special tokens and the first token: a few columns) are
   stored exactly, as float32. Every other weight is quantised to 8 bits **per row**:
   ``w ≈ q / 255 * rowmax`` with ``q`` in 0..255 and ``rowmax`` (float32) the largest of the
-  row's other weights, so the error of every weight is at most ``rowmax / 510`` (0.2 % of that
-  weight). Weights below ``rowmax / 510`` read as 0. Quantising relative to the other weights,
-  not to a sink's 0.9, is what keeps a row renormalised without the sink accurate.
+  row's other weights, so the error of every weight is at most ``rowmax / 510`` (0.2 % of the
+  row's largest weight, more of a smaller one's). Weights below ``rowmax / 510`` read as 0.
+  Quantising relative to the other weights, not to a sink's 0.9, is what keeps a row
+  renormalised without the sink accurate.
 * When ``layers x H x L x S`` is over ``max_bytes``, each row keeps only its ``k`` strongest
   other weights (``k`` as large as the budget allows, at least 4) besides the exact columns; the
   page says so, and how much of the other weights' attention they hold on average. The rest

@@ -72,7 +72,8 @@ class Trace:
 
     Attributes:
         tokens: ``L`` query token labels, as they should be drawn.
-        attentions: ``[layers, H, L, S]`` attention weights (rows sum to 1).
+        attentions: ``[layers, H, L, S]`` attention weights (rows sum to 1); a 3-D array is
+            one layer's ``[H, L, S]`` (a one-head model's layers: ``A[:, None]``).
         key_tokens: ``S`` key labels; ``None`` means ``tokens`` (self-attention).
         hidden_states: ``[layers + 1, L, D]``: ``[l]`` is the input of layer ``l`` and ``[-1]``
             the model's output (self-attention models only).
@@ -109,7 +110,7 @@ class Trace:
 
     def __post_init__(self) -> None:
         A = to_numpy(self.attentions, "attentions", np.float32)
-        if A.ndim == 3:  # [H, L, S] of one layer, or [layers, L, S] of a one-head model
+        if A.ndim == 3:  # [H, L, S] of one layer (see the docstring)
             A = A[None]
         if A.ndim != 4:  # (and [layers, B=1, H, L, S], as torch.stack(outputs.attentions))
             A = layer_stack(A)
