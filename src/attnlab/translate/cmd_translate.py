@@ -80,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object per sentence (tokens, text, score)",
+        help="print one JSON object per sentence (source, translation, source_tokens, "
+        "target_tokens, score, complete)",
     )
 
 
