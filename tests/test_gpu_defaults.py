@@ -86,13 +86,8 @@ def test_train_with_auto_batches_runs_the_real_probe_on_cuda_figures(tmp_path, m
         return real(lambda: probes.append(step()), probe_tokens, "cuda:0", base)
 
     monkeypatch.setattr(gpu, "auto_max_tokens", on_cuda)
-    parser = argparse.ArgumentParser()
-    cmd_train.add_arguments(parser)
     out = tmp_path / "run"
-    argv = ["--task", "dates", "--tiny", "--max-steps", "2", "--train-size", "200"]
-    argv += ["--eval-limit", "5", "--threads", "1", "--no-progress", "--out", str(out)]
-    argv += ["--max-tokens", "auto", "--device", "cpu"]
-    assert cmd_train.main(parser.parse_args(argv)) == 0
+    train_tiny_dates(out, 2, "--max-tokens", "auto", "--device", "cpu")
     from attnlab.translate.settings import MODEL_DEFAULTS
 
     config = json.loads((out / "config.json").read_text())
@@ -115,14 +110,20 @@ def test_precision_auto_is_float32_on_cpu_and_choices_are_checked():
     assert isinstance(gpu.autocast("cpu", "bf16"), torch.autocast)
 
 
-def test_train_with_auto_batches_and_bf16_on_cpu(tmp_path, capsys):
+def train_tiny_dates(out, steps, *options) -> argparse.ArgumentParser:
+    """``attnlab train`` of a tiny dates model into ``out`` for ``steps`` steps, on 1 thread;
+    the parser it used."""
     parser = argparse.ArgumentParser()
     cmd_train.add_arguments(parser)
-    out = tmp_path / "run"
-    argv = ["--task", "dates", "--tiny", "--max-steps", "3", "--train-size", "200"]
+    argv = ["--task", "dates", "--tiny", "--max-steps", str(steps), "--train-size", "200"]
     argv += ["--eval-limit", "5", "--threads", "1", "--no-progress", "--out", str(out)]
-    argv += ["--max-tokens", "auto", "--precision", "bf16"]
-    assert cmd_train.main(parser.parse_args(argv)) == 0
+    assert cmd_train.main(parser.parse_args([*argv, *options])) == 0
+    return parser
+
+
+def test_train_with_auto_batches_and_bf16_on_cpu(tmp_path, capsys):
+    out = tmp_path / "run"
+    parser = train_tiny_dates(out, 3, "--max-tokens", "auto", "--precision", "bf16")
     config = json.loads((out / "config.json").read_text())
     from attnlab.translate.settings import MODEL_DEFAULTS
 

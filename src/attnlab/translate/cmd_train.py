@@ -429,6 +429,7 @@ def main(args: argparse.Namespace) -> int:
         train_run,
     )
     from attnlab.translate.pipeline import log as log_all
+    from attnlab.translate.run import describe_budget
     from attnlab.translate.tasks import DATA_FILE, load_task, run_task
     from attnlab.translate.trainer import init_distributed
 
@@ -519,18 +520,8 @@ def main(args: argparse.Namespace) -> int:
     log(f"run directory: {run_dir}")
     resumed = args.resume
     if resumed:
-        train = config["train"]
-        target = ", ".join(
-            text
-            for key, text in (
-                ("max_steps", f"step {train.get('max_steps')}"),
-                ("epochs", f"epoch {train.get('epochs', 0):g}"),
-                ("train_seconds", f"{train.get('train_seconds', 0) / 60:.2f} min of training"),
-                ("cpu_seconds", f"{train.get('cpu_seconds', 0) / 60:.2f} CPU-min"),
-            )
-            if train.get(key)
-        )
-        log(f"resuming at step {start_step}; training until the first of: {target}")
+        budget_words = describe_budget(config["train"])
+        log(f"resuming at step {start_step}; the budget: {budget_words}")
     try:
         model, tokenizer, task, state, dist = train_run(
             run_dir,
