@@ -272,7 +272,6 @@ def test_explain_names_the_kernel_under_the_interpreter():
         ("weights", "return_weights"),
         ("dropout", "dropout"),
         ("float64", "float64"),
-        ("mixed", "mixed dtypes"),
         ("wide_value", "Dv=300"),
         ("mask_grad", "requires grad"),
     ],
@@ -287,8 +286,6 @@ def test_what_the_kernel_does_not_take_falls_back_and_says_why(change, reason, k
         kwargs["dropout_p"] = 0.5
     elif change == "float64":
         leaves = [t.double() for t in leaves]
-    elif change == "mixed":
-        leaves[2] = leaves[2].bfloat16()
     elif change == "mask_grad":
         mask = torch.zeros(L, S, requires_grad=True)
     got = additive.explain_additive(*leaves[:6], mask, bias=leaves[6], **kwargs)
@@ -314,6 +311,8 @@ def test_bad_input_raises_as_on_the_chunked_path():
         AF.additive_attention(leaves[0], leaves[1], leaves[2], leaves[4], *leaves[4:6])
     with pytest.raises(ValueError, match="does not broadcast"):
         AF.additive_attention(*leaves[:6], torch.ones(3, 7, dtype=torch.bool))
+    with pytest.raises(TypeError, match="key and value must share one dtype"):
+        AF.additive_attention(leaves[0], leaves[1], leaves[2].bfloat16(), *leaves[3:6])
 
 
 def test_the_readable_reference_is_the_oracle():

@@ -442,12 +442,11 @@ def supports(query, key, value, attn_mask, A: int = 1) -> str | None:
     """None if the fused kernel serves these (user-facing) inputs, else a one-line reason.
 
     ``query`` (..., L, Dq), ``key`` (..., S, Dk), ``value`` (..., S, Dv), ``attn_mask``
-    broadcastable to (..., L, S), already checked by the caller; ``A`` the attention width.
+    broadcastable to (..., L, S), already checked by the caller (one dtype for the three); ``A``
+    the attention width.
     """
     if query.dtype not in DTYPES:
         return f"{query.dtype}: the kernel takes float32, bfloat16 and float16"
-    if value.dtype != query.dtype or key.dtype != query.dtype:
-        return f"mixed dtypes (query {query.dtype}, key {key.dtype}, value {value.dtype})"
     if 0 in query.shape or 0 in key.shape[-2:] or 0 in value.shape[-1:]:
         return "an empty dimension: nothing to tile"
     if value.shape[-1] > MAX_VALUE_DIM:
