@@ -347,7 +347,7 @@ def test_dot_product_and_self_attention_layers():
         ),
         ({"d_model": 32, "num_heads": 4, "attn_dropout": 1.5}, ["attn_dropout", "[0, 1)"]),
         ({"d_model": 30, "num_heads": 2, "rope": True, "head_dim": 5}, ["even head_dim"]),
-        ({"d_model": 32, "num_heads": 0}, ["num_heads must be a positive int"]),
+        ({"d_model": 32, "num_heads": 0}, ["num_heads must be an int >= 1 (query heads); got 0"]),
     ],
 )
 def test_configuration_errors(kwargs, phrases):

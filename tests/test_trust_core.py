@@ -733,3 +733,20 @@ def test_attention_over_given_scores_follows_the_value_side_of_the_nan_rule():
         sdpa = AF.scaled_dot_product_attention(q, k, v_bad, mask)
         torch.testing.assert_close(out, sdpa, equal_nan=True)
         np.testing.assert_allclose(out[0].numpy(), ref_out[0], atol=1e-12)
+
+
+def test_sizes_take_numpy_integers_and_refuse_bools():
+    # before: MultiHeadAttention(16, True) built a one-head layer and StaticCache(True) a
+    # one-slot cache; numpy integers (e.g. from a config array) were refused
+    for build in (
+        lambda: MultiHeadAttention(16, True),
+        lambda: MultiHeadAttention(16, 4, head_dim=2.0),
+        lambda: StaticCache(True),
+        lambda: DynamicCache(num_layers=False),
+    ):
+        with pytest.raises(ValueError, match=r"must be an int >= 1"):
+            build()
+    layer = MultiHeadAttention(np.int64(16), np.int64(4), num_kv_heads=np.int32(2))
+    assert (layer.d_model, layer.num_heads, layer.num_kv_heads) == (16, 4, 2)
+    assert type(layer.num_heads) is int
+    assert StaticCache(np.int64(8)).max_length == 8

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 
 import torch
 
@@ -228,6 +229,22 @@ def real_number(value):
     if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
         return float(value)
     return None
+
+
+def check_count(value, name: str, minimum: int = 1, what: str = ""):
+    """``value`` as an int (a Python, numpy or 0-d torch integer; not a bool or a float) of at
+    least ``minimum``, or a ValueError naming ``name`` and ``what`` it counts. A symbolic size
+    (torch.compile, torch.export) passes as it is."""
+    if isinstance(value, torch.SymInt):
+        return value
+    try:
+        ok = not isinstance(value, bool) and operator.index(value) >= minimum
+    except TypeError:
+        ok = False
+    if not ok:
+        counts = f" ({what})" if what else ""
+        raise ValueError(f"{name} must be an int >= {minimum}{counts}; got {value!r}.")
+    return operator.index(value)
 
 
 def check_scale(scale: float | None) -> float | None:

@@ -40,6 +40,8 @@ import weakref
 
 import torch
 
+from attnlab._checks import check_count
+
 __all__ = ["Cache", "DynamicCache", "SlidingWindowCache", "StaticCache"]
 
 
@@ -172,8 +174,8 @@ class Cache:
     stepping = False
 
     def __init__(self, num_layers: int | None = None) -> None:
-        if num_layers is not None and (not isinstance(num_layers, int) or num_layers < 1):
-            raise ValueError(f"num_layers must be a positive int or None; got {num_layers!r}.")
+        if num_layers is not None:
+            num_layers = check_count(num_layers, "num_layers", 1, "or None for any number")
         self.num_layers = num_layers
         self._layers: dict[int, _Layer] = {}
         self._spare: dict[int, _Layer] = {}  # storage kept by reset() for the next sequence
@@ -483,9 +485,7 @@ class StaticCache(Cache):
 
     def __init__(self, max_length: int, num_layers: int | None = None) -> None:
         super().__init__(num_layers)
-        if not isinstance(max_length, int) or max_length < 1:
-            raise ValueError(f"max_length must be a positive int; got {max_length!r}.")
-        self.max_length = max_length
+        self.max_length = check_count(max_length, "max_length", 1, "slots per row")
 
     def _initial_capacity(self, key):
         return self.max_length
@@ -538,9 +538,7 @@ class SlidingWindowCache(Cache):
 
     def __init__(self, window: int, num_layers: int | None = None) -> None:
         super().__init__(num_layers)
-        if not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive int; got {window!r}.")
-        self.window = window
+        self.window = check_count(window, "window", 1, "tokens kept per row")
 
     def _initial_capacity(self, key):
         return self.window

@@ -35,13 +35,12 @@ Example:
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
 from torch.utils._pytree import tree_map
 
-from attnlab._checks import CAUSAL_ALIGNMENTS
+from attnlab._checks import CAUSAL_ALIGNMENTS, check_count
 
 __all__ = [
     "Mask",
@@ -243,27 +242,12 @@ def show(mask: torch.Tensor, max_rows: int = 24, max_cols: int = 48) -> str:
     return "\n".join(lines)
 
 
-def _count(value, name: str, minimum: int, what: str):
-    """``value`` as an int (a Python, numpy or 0-d torch integer; not a bool or a float) of at
-    least ``minimum``, or a ValueError naming ``name`` and ``what`` it counts. A symbolic size
-    (torch.compile, torch.export) passes as it is."""
-    if isinstance(value, torch.SymInt):
-        return value
-    try:
-        ok = not isinstance(value, bool) and operator.index(value) >= minimum
-    except TypeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"{name} must be an int >= {minimum} ({what}); got {value!r}.")
-    return operator.index(value)
-
-
 def _positions(query_length: int, key_length: int | None, alignment: str | None, device):
     """Absolute positions of the queries and keys on one time axis, per the causal alignment."""
-    query_length = _count(query_length, "query_length", 0, "L, the queries")
+    query_length = check_count(query_length, "query_length", 0, "L, the queries")
     if key_length is None:
         key_length = query_length
-    key_length = _count(key_length, "key_length", 0, "S, the keys")
+    key_length = check_count(key_length, "key_length", 0, "S, the keys")
     if alignment is None:
         if query_length != key_length:
             raise ValueError(
@@ -327,7 +311,7 @@ def sliding_window_mask(
         · ■ ■ ■ ·
         · · ■ ■ ■
     """
-    window = _count(window, "window", 1, "keys seen per query")
+    window = check_count(window, "window", 1, "keys seen per query")
     q_pos, k_pos = _positions(query_length, key_length, alignment, device)
     distance = q_pos - k_pos  # (L, S): how far key j lies behind query i
     keep = (distance < window) & (distance > -window)
@@ -380,7 +364,7 @@ def padding_mask(
     if side not in ("right", "left"):
         raise ValueError(f"side must be 'right' or 'left'; got {side!r}.")
     if max_length is not None:
-        max_length = _count(max_length, "max_length", 0, "S, the keys")
+        max_length = check_count(max_length, "max_length", 0, "S, the keys")
     longest = int(lengths.max()) if len(lengths) else 0
     if max_length is None:
         max_length = longest

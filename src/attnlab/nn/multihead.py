@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlab._checks import check_dropout, check_floating, check_mask, divisors
+from attnlab._checks import check_count, check_dropout, check_floating, check_mask, divisors
 from attnlab.cache import Cache, SlidingWindowCache
 from attnlab.functional.rotary import RotaryScaling, apply_rotary_qk, rotate_qk
 from attnlab.functional.sdpa import attention_with
@@ -103,7 +103,9 @@ class MultiHeadAttention(nn.Module):
                 )
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        _check_config(d_model, num_heads, num_kv_heads, head_dim, attn_dropout, out_dropout)
+        d_model, num_heads, num_kv_heads, head_dim = _check_config(
+            d_model, num_heads, num_kv_heads, head_dim, attn_dropout, out_dropout
+        )
         head_dim = d_model // num_heads if head_dim is None else head_dim
         if rope is not False and head_dim % 2:
             raise ValueError(f"rope needs an even head_dim; got head_dim={head_dim}.")
@@ -501,9 +503,10 @@ def _check_width(name: str, x: torch.Tensor, width: int, dtype: torch.dtype) -> 
 
 
 def _check_config(d_model, num_heads, num_kv_heads, head_dim, attn_dropout, out_dropout):
-    for name, n in (("d_model", d_model), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name} must be a positive int; got {n!r}.")
+    """The sizes as ints (numpy integers taken, bools refused), or a ValueError naming the fix."""
+    d_model = check_count(d_model, "d_model", 1, "the model width")
+    num_heads = check_count(num_heads, "num_heads", 1, "query heads")
+    num_kv_heads = check_count(num_kv_heads, "num_kv_heads", 1, "key/value heads")
     if num_heads % num_kv_heads:
         raise ValueError(
             f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads} (each kv head "
@@ -515,7 +518,8 @@ def _check_config(d_model, num_heads, num_kv_heads, head_dim, attn_dropout, out_
             f"num_heads={num_heads} must divide d_model={d_model} when head_dim is not given. "
             f"Fix: num_heads in {divisors(d_model)}, or pass head_dim explicitly."
         )
-    if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 1):
-        raise ValueError(f"head_dim must be a positive int; got {head_dim!r}.")
+    if head_dim is not None:
+        head_dim = check_count(head_dim, "head_dim", 1, "the width of one head")
     check_dropout(attn_dropout, "attn_dropout")
     check_dropout(out_dropout, "out_dropout")
+    return d_model, num_heads, num_kv_heads, head_dim
