@@ -24,9 +24,11 @@ F64 = torch.float64
 
 
 @pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():  # torch: "no batching rule for ... flash_attention_for_cpu"
-        warnings.filterwarnings("ignore", message="There is a performance drop")
+def _no_per_sample_loops():
+    # torch warns (once a process) when vmap loops over an op without a batching rule, as its
+    # fused CPU kernel: attnlab takes the readable formula under vmap, which never should
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="There is a performance drop")
         yield
 
 
@@ -105,10 +107,13 @@ def test_explain_under_vmap_names_the_path_and_why():
 
     def f(a, b, c):
         seen.append(AF.explain(a, b, c, return_weights=True))
+        seen.append(AF.explain(a, b, c))
         return AF.scaled_dot_product_attention(a, b, c, return_weights=True)
 
     vmap(f)(q, k, v)
     assert seen[0].path == "eager" and "torch.func (vmap)" in seen[0].reasons[0]
+    # plain calls too: torch's fused CPU kernel has no batching rule (vmap would loop over it)
+    assert seen[1].path == "eager"
 
 
 def test_per_sample_gradients_equal_a_loop():
@@ -252,3 +257,78 @@ def test_compiled_and_exported_graphs_stay_whole():
     torch.testing.assert_close(compiled(q, k, m), model(q, k, m))
     exported = torch.export.export(model, (q, k, m))
     torch.testing.assert_close(exported.module()(q, k, m), model(q, k, m))
+
+
+def test_second_derivatives_are_not_silently_zero():
+    # a kernel's once-differentiable backward under a nested torch.func.grad gave 0 (not an
+    # error): nested grads take the readable formula
+    g = torch.Generator().manual_seed(4)
+    q, k = (
+        torch.randn(2, 3, 4, generator=g, dtype=F64),
+        torch.randn(2, 5, 4, generator=g, dtype=F64),
+    )
+    w_q, w_k, w = (torch.randn(*s, generator=g, dtype=F64) for s in ((6, 4), (6, 4), (6,)))
+
+    def loss(a):
+        return AF.additive_attention(a, k, k, w_q, w_k, w).square().sum()
+
+    got = grad(lambda a: grad(loss)(a).square().sum())(q)
+    leaf = q.clone().requires_grad_()
+    naive = torch.tanh((leaf @ w_q.T)[:, :, None] + (k @ w_k.T)[:, None]) @ w
+    first = torch.autograd.grad(
+        (torch.softmax(naive, -1) @ k).square().sum(), leaf, create_graph=True
+    )
+    (want,) = torch.autograd.grad(first[0].square().sum(), leaf)
+    assert want.abs().max() > 1e-3
+    torch.testing.assert_close(got, want)
+
+    seen = []
+
+    def sdpa_loss(a):
+        seen.append(AF.explain(a, a, a, dropout_p=0.1).path)
+        return AF.scaled_dot_product_attention(a, a, a).square().sum()
+
+    x = torch.randn(1, 2, 4, 8, generator=g)
+    grad(lambda a: grad(sdpa_loss)(a).sum())(x)
+    assert seen == ["eager"]  # (under one grad the blocked CPU kernel serves dropout)
+    seen.clear()
+    grad(sdpa_loss)(x)
+    assert seen == ["cpu_flash"]
+
+
+def test_compiled_causal_and_window_calls_do_not_recompile_per_length():
+    # the size checks of the mask builders once specialised a dynamic graph to each length
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+
+    def f(q, k, v):
+        return AF.scaled_dot_product_attention(q, k, v, is_causal="bottom_right")
+
+    compiled = torch.compile(f, backend=counter, dynamic=True)
+    layer = MultiHeadAttention(16, 2, sliding_window=3, is_causal=True).eval()
+    layer_counter = CompileCounter()
+    compiled_layer = torch.compile(layer, backend=layer_counter, dynamic=True)
+    for n in (3, 4, 5, 6):
+        q, k = torch.randn(1, 2, n, 8), torch.randn(1, 2, n + 2, 8)
+        torch.testing.assert_close(compiled(q, k, k), f(q, k, k))
+        x = torch.randn(1, n, 16)
+        torch.testing.assert_close(compiled_layer(x), layer(x))
+    assert counter.frame_count == 1 and layer_counter.frame_count == 1
+
+
+def test_additive_attention_under_cpu_autocast_takes_a_bf16_projection():
+    # the dtype check refused the bf16 keys that a projection gives under autocast beside the
+    # float32 encoder states (attnlab train --precision bf16 with Bahdanau attention)
+    from attnlab.nn import AdditiveAttention
+
+    torch.manual_seed(0)
+    layer = AdditiveAttention(8, 6, 5)
+    q, enc = torch.randn(2, 3, 8), torch.randn(2, 4, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        keys = layer.project_keys(enc)
+        out = layer(q, enc, keys_proj=keys)
+    assert keys.dtype == torch.bfloat16
+    want = layer(q, enc)  # float32 throughout; autocast rounds the projections to bf16
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=0)

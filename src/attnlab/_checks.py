@@ -233,9 +233,10 @@ def real_number(value):
 
 def check_count(value, name: str, minimum: int = 1, what: str = ""):
     """``value`` as an int (a Python, numpy or 0-d torch integer; not a bool or a float) of at
-    least ``minimum``, or a ValueError naming ``name`` and ``what`` it counts. A symbolic size
-    (torch.compile, torch.export) passes as it is."""
-    if isinstance(value, torch.SymInt):
+    least ``minimum``, or a ValueError naming ``name`` and ``what`` it counts. Traced
+    (torch.compile, torch.export) it passes as it is: there a size may be symbolic, and
+    ``operator.index`` would specialise the graph to it (a recompilation per length)."""
+    if isinstance(value, torch.SymInt) or torch.compiler.is_compiling():
         return value
     try:
         ok = not isinstance(value, bool) and operator.index(value) >= minimum

@@ -25,20 +25,29 @@ _NAMES = {
 
 
 def active() -> frozenset[str]:
-    """The transforms around this call: names of ``torch.func``'s, and ``"jvp"`` inside a
-    ``torch.autograd.forward_ad.dual_level`` (empty outside them, and in traced graphs)."""
+    """The transforms around this call: names of ``torch.func``'s, ``"jvp"`` inside a
+    ``torch.autograd.forward_ad.dual_level``, and ``"grad of grad"`` when two or more ``grad``
+    levels nest (empty outside them, and in traced graphs)."""
     if _peek() is None and _forward_ad._current_level < 0:  # (the common case first: ~0.1 us)
         return _NONE
     if torch.compiler.is_compiling():  # (dynamo cannot read the interpreter stack)
         return _NONE
     names = {"jvp"} if _forward_ad._current_level >= 0 else set()
     if _peek() is not None:
-        names |= {_NAMES.get(i.key(), "other") for i in torch._C._functorch.get_interpreter_stack()}
+        kinds = [_NAMES.get(i.key(), "other") for i in torch._C._functorch.get_interpreter_stack()]
+        names |= set(kinds)
+        if kinds.count("grad") > 1:
+            names.add("grad of grad")
     return frozenset(names)
 
 
-def batched_or_forward_mode() -> str | None:
-    """``"vmap"`` or ``"jvp"`` when one runs this call (attnlab's kernels then stand aside), else
-    None."""
+def readable_only() -> str | None:
+    """The transform under which only torch's ops give the right answer, else None: ``"vmap"``
+    (attnlab's kernels cannot be batched, and torch's fused CPU kernel has no batching rule:
+    vmap would loop over it), ``"jvp"`` (forward-mode AD) or ``"grad of grad"`` (the kernels'
+    backward is once-differentiable, and a nested ``grad`` would give 0, not an error)."""
     names = active()
-    return "vmap" if "vmap" in names else "jvp" if "jvp" in names else None
+    for name in ("vmap", "jvp", "grad of grad"):
+        if name in names:
+            return name
+    return None

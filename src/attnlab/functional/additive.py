@@ -114,32 +114,35 @@ def _tanh(a_i: torch.Tensor, b: torch.Tensor, out: torch.Tensor, c: float) -> to
     return torch.sigmoid(out, out=out).sub_(0.5)
 
 
+def _chunked_scores(a, b, w, chunk_bytes, c):
+    """s (N, L, S) from a (N, L, A), b (N, S, A), w (A,), tanh in row blocks (``c``: _tanh)."""
+    N, L, A = a.shape
+    S = b.shape[1]
+    rows = _rows_per_chunk(a, S, A, chunk_bytes)
+    a2, b2, w2 = (a, b, w) if c == 1.0 else (a / c, b / c, w / c)
+    scores = a.new_empty(N, L, S)
+    buf = a.new_empty(min(rows, L) * S * A)
+    for n in range(N):
+        for i in range(0, L, rows):
+            r = min(rows, L - i)
+            t = _tanh(a2[n, i : i + r], b2[n], buf[: r * S * A].view(r, S, A), c)
+            torch.matmul(t, w2, out=scores[n, i : i + r])  # (r, S, A) @ (A,) -> (r, S)
+    return scores
+
+
 class _AdditiveScores(torch.autograd.Function):
     """s[n, i, j] = w . tanh(a[n, i] + b[n, j]) without storing the (N, L, S, A) tanh.
 
-    Forward and context apart (``setup_context``), so that ``torch.func.grad`` takes it too.
+    The context is set in ``forward``: ``apply`` then binds no signature (a ``setup_context``
+    Function pays ~20 us a call for it, a quarter of a small call); :class:`_AdditiveScoresFunc`
+    is the twin that ``torch.func.grad`` takes.
     """
 
     @staticmethod
-    def forward(a, b, w, chunk_bytes, c):  # a (N, L, A), b (N, S, A), w (A,); c: _tanh
-        N, L, A = a.shape
-        S = b.shape[1]
-        rows = _rows_per_chunk(a, S, A, chunk_bytes)
-        a2, b2, w2 = (a, b, w) if c == 1.0 else (a / c, b / c, w / c)
-        scores = a.new_empty(N, L, S)
-        buf = a.new_empty(min(rows, L) * S * A)
-        for n in range(N):
-            for i in range(0, L, rows):
-                r = min(rows, L - i)
-                t = _tanh(a2[n, i : i + r], b2[n], buf[: r * S * A].view(r, S, A), c)
-                torch.matmul(t, w2, out=scores[n, i : i + r])  # (r, S, A) @ (A,) -> (r, S)
-        return scores
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        a, b, w, chunk_bytes, c = inputs
+    def forward(ctx, a, b, w, chunk_bytes, c):  # a (N, L, A), b (N, S, A), w (A,); c: _tanh
         ctx.save_for_backward(a, b, w)
         ctx.chunk_bytes, ctx.c = chunk_bytes, c
+        return _chunked_scores(a, b, w, chunk_bytes, c)
 
     @staticmethod
     @once_differentiable  # (its buffers are written in place: no graph of the backward)
@@ -163,6 +166,21 @@ class _AdditiveScores(torch.autograd.Function):
                 da[n, i : i + r] = h.sum(1)
                 db[n] += h.sum(0)
         return da, db, dw, None, None
+
+
+class _AdditiveScoresFunc(_AdditiveScores):
+    """:class:`_AdditiveScores` with forward and context apart (``setup_context``), which
+    ``torch.func.grad`` requires; the same backward."""
+
+    @staticmethod
+    def forward(a, b, w, chunk_bytes, c):
+        return _chunked_scores(a, b, w, chunk_bytes, c)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        a, b, w, chunk_bytes, c = inputs
+        ctx.save_for_backward(a, b, w)
+        ctx.chunk_bytes, ctx.c = chunk_bytes, c
 
 
 def additive_scores(
@@ -220,7 +238,8 @@ def _scores(query, key, w_query, w_key, w_score, bias) -> torch.Tensor:
             .view(*lead, a.shape[-2], b.shape[-2])
         )  # (N, L, S, A) @ (A,) -> (N, L, S)
     c = 0.5 if tanh_by_sigmoid() else 1.0
-    scores = _AdditiveScores.apply(
+    function = _AdditiveScoresFunc if "grad" in _transforms.active() else _AdditiveScores
+    scores = function.apply(
         a3.contiguous(), b3.contiguous(), w_score.to(dtype).contiguous(), CHUNK_BYTES, c
     )
     return scores.view(*lead, a.shape[-2], b.shape[-2])
@@ -236,7 +255,7 @@ def _projections(query, key, w_query, w_key, bias, dtype):
 
 
 def _check_additive_shapes(query, key, w_query, w_key, w_score, bias) -> None:
-    if key.dtype != query.dtype:  # (the weights may differ: cast to the compute dtype)
+    if key.dtype != query.dtype and not _autocasting(key):  # (weights may differ: cast)
         raise TypeError(
             f"query and key must share one dtype; got {query.dtype} and {key.dtype}: the "
             f"computation would silently run in the query's. Fix: cast one, e.g. "
@@ -423,23 +442,29 @@ def explain_additive(
 
 
 def _readable_because() -> str | None:
-    """Why the scores must be the naive formula's torch ops, or None: under ``torch.func.vmap``
-    or forward-mode AD (:mod:`attnlab.functional._transforms`), or ``torch.export`` (whose
-    program keeps torch's ops, with gradients)."""
-    transform = _transforms.batched_or_forward_mode()
+    """Why the scores must be the naive formula's torch ops, or None: under ``torch.func.vmap``,
+    forward-mode AD or a nested ``grad`` (:func:`attnlab.functional._transforms.readable_only`),
+    or ``torch.export`` (whose program keeps torch's ops, with gradients)."""
+    transform = _transforms.readable_only()
     if transform is not None:
-        return f"under torch.func.{transform}"
+        return f"under torch.func ({transform})"
     if _exporting():
         return "under torch.export"
     return None
 
 
+def _autocasting(t: torch.Tensor) -> bool:
+    """Whether ``torch.autocast`` is on for ``t``'s device: there a bf16 projection meets a
+    float32 state by design, and the scores are computed in float32 whatever they hold."""
+    return torch.is_autocast_enabled(t.device.type)
+
+
 def _check_value(key, value) -> None:
     check_floating("value", value)
-    if value.dtype != key.dtype:
+    if value.dtype != key.dtype and not _autocasting(key):
         raise TypeError(
-            f"key and value must share one dtype; got {key.dtype} and {value.dtype}: the "
-            f"computation would silently run in the query's. Fix: cast one, e.g. "
+            f"key and value must share one dtype; got {key.dtype} and {value.dtype}: one of "
+            f"them would silently be cast to the other's. Fix: cast one, e.g. "
             f"value.to(key.dtype)."
         )
     if value.shape[-2] != key.shape[-2]:

@@ -152,11 +152,10 @@ def _choose(
             "eager", ("return_weights with dropout -- the weights must be the dropped ones",)
         )
     transforms = _transforms.active()  # torch.func's: attnlab's own kernels stand aside
-    if transforms and (
-        "jvp" in transforms  # (torch's fused CPU kernel has no forward-mode AD either)
-        or return_weights
-        or (dropout_p > 0 or query.is_cpu and _trains_16bit(query, key, value))
-        and transforms != {"grad"}  # (the blocked CPU kernel takes torch.func.grad)
+    kernel = dropout_p > 0 or query.is_cpu and _trains_16bit(query, key, value)  # (cpu_flash)
+    if _transforms.readable_only() or (
+        transforms
+        and (return_weights or kernel and transforms != {"grad"})  # (cpu_flash takes one grad)
     ):
         return Dispatch(
             "eager",
