@@ -41,12 +41,13 @@ def active() -> frozenset[str]:
     return frozenset(names)
 
 
-def readable_only() -> str | None:
+def readable_only(names: frozenset[str] | None = None) -> str | None:
     """The transform under which only torch's ops give the right answer, else None: ``"vmap"``
     (attnlab's kernels cannot be batched, and torch's fused CPU kernel has no batching rule:
     vmap would loop over it), ``"jvp"`` (forward-mode AD) or ``"grad of grad"`` (the kernels'
-    backward is once-differentiable, and a nested ``grad`` would give 0, not an error)."""
-    names = active()
+    backward is once-differentiable, and a nested ``grad`` would give 0, not an error).
+    ``names``: :func:`active`'s answer, when the caller has it already."""
+    names = active() if names is None else names
     for name in ("vmap", "jvp", "grad of grad"):
         if name in names:
             return name

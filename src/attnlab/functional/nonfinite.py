@@ -186,7 +186,7 @@ def rows_to_fill(query, key, value, kv_finite=None) -> torch.Tensor | None:
     other devices the row check always runs (no data-dependent branch, no host sync)."""
     if _assumed:
         return None
-    if query.is_cpu and not torch.compiler.is_compiling() and "vmap" not in _transforms.active():
+    if _screens_eagerly(query):
         if kv_finite is not None:  # the caller vouched for K and V: screen the query only
             clean = all_finite(query) and bool(kv_finite.all())
         else:
@@ -203,11 +203,16 @@ def value_heads_to_fill(value: torch.Tensor, H: int) -> torch.Tensor | None:
     where an eager CPU screen finds ``value`` finite)."""
     if _assumed:
         return None
-    eager_cpu = value.is_cpu and not torch.compiler.is_compiling()
-    if eager_cpu and "vmap" not in _transforms.active() and all_finite(value):
+    if _screens_eagerly(value) and all_finite(value):
         return None
     heads = ~torch.isfinite(_max_abs(value, 2))  # (B, Hkv, 1, 1)
     return heads if value.shape[1] == H else heads.repeat_interleave(H // value.shape[1], 1)
+
+
+def _screens_eagerly(t: torch.Tensor) -> bool:
+    """Whether a call on ``t`` may screen its inputs with a host read first (:func:`all_finite`):
+    eagerly on the CPU, outside traced graphs and ``vmap`` (whose values cannot be read)."""
+    return t.is_cpu and not torch.compiler.is_compiling() and "vmap" not in _transforms.active()
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:

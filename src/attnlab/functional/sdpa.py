@@ -153,7 +153,7 @@ def _choose(
         )
     transforms = _transforms.active()  # torch.func's: attnlab's own kernels stand aside
     kernel = dropout_p > 0 or query.is_cpu and _trains_16bit(query, key, value)  # (cpu_flash)
-    if _transforms.readable_only() or (
+    if _transforms.readable_only(transforms) or (
         transforms
         and (return_weights or kernel and transforms != {"grad"})  # (cpu_flash takes one grad)
     ):
