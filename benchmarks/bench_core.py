@@ -7,7 +7,8 @@
 2. ``return_weights=True`` vs the naive materialising formula ``softmax(Q K^T / sqrt(E)) V``.
 3. ``additive_attention`` vs the naive Bahdanau formula (seed 002's ``AdditiveAttention``):
    time and peak memory at B=8, L=S=1024, A=256. Target: >= 5x less peak memory, not slower.
-4. ``attnlab.kernels.cpu_flash`` (the blocked CPU kernel) vs torch SDPA, forward+backward:
+4. ``attnlab.kernels.cpu_flash`` (the blocked CPU kernel: its C++ implementation where it
+   builds, with a row for the torch-ops one) vs torch SDPA, forward+backward:
    bf16 (target: <= 0.5x torch's time; fp16 too, and which of the two the dispatch's one-off
    probe picks, :mod:`attnlab.kernels.choice`), fp32 (reported: the dispatch picks the faster), and
    dropout_p=0.1 (targets: <= 0.2x torch's time, <= 2x without dropout, <= 1/4 of torch's peak
@@ -31,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attnlab.functional as AF  # noqa: E402
-from attnlab.kernels import choice, flash_attention  # noqa: E402
+from attnlab.kernels import choice, cpu_flash_native, flash_attention  # noqa: E402
 from common import header, peak_rss_mib_in_child, ratio_line, report_peak, round_robin  # noqa: E402
 
 SDPA_SHAPES = [(8, 8, 256, 64), (4, 8, 1024, 64), (1, 8, 4096, 64)]
@@ -69,6 +70,19 @@ def fwd_bwd(fn):
 
 def flash(q, k, v, dropout_p=0.0):
     return flash_attention(q, k, v, None, None, q.shape[-1] ** -0.5, dropout_p)
+
+
+def flash_torch_ops(q, k, v, dropout_p=0.0):
+    """The blocked kernel's torch-ops implementation (where the C++ one does not build)."""
+    built = cpu_flash_native._state.pop("module", None)
+    cpu_flash_native._state["why"] = "benchmark"
+    try:
+        out = flash(q, k, v, dropout_p)
+        out.backward(torch.ones_like(out))
+    finally:
+        cpu_flash_native._state.pop("why")
+        if built is not None:
+            cpu_flash_native._state["module"] = built
 
 
 def torch_sdpa(q, k, v, dropout_p=0.0):
@@ -331,6 +345,7 @@ def bench_flash(rounds: int, quick: bool) -> None:
                 "torch": lambda: fwd_bwd(torch_sdpa)(q, k, v, 0.1),
                 "flash-no-dropout": lambda: fwd_bwd(flash)(q, k, v),
                 "attnlab-no-dropout": lambda: fwd_bwd(AF.scaled_dot_product_attention)(q, k, v),
+                "torch-ops": lambda: flash_torch_ops(q, k, v, 0.1),
             },
             rounds=max(2, rounds // 2),
             warmup=1,
@@ -340,6 +355,10 @@ def bench_flash(rounds: int, quick: bool) -> None:
         print(
             ratio_line(f"dropout {name}: vs attnlab without", stats, "flash", "attnlab-no-dropout")
         )
+        if cpu_flash_native.module() is not None:  # the C++ kernel vs the same blocks in torch ops
+            print(ratio_line(f"dropout {name}: C++ vs torch ops", stats, "flash", "torch-ops"))
+        else:
+            print(f"(the C++ kernel does not serve here: {cpu_flash_native.unavailable()})")
 
     # inside torch.compile graphs: attnlab's dispatch puts the kernel in as an operator; torch's
     # compiled dropout is its math path, fused by inductor

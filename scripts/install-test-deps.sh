@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # System packages the test suite needs, from Debian: chromium (the explorer page is tested in a
 # real headless browser) and the public-domain SWORD Bible modules (the corpus build is checked
-# byte for byte against the shipped corpus). Idempotent: installs only what is missing.
+# byte for byte against the shipped corpus), and g++ (attnlab builds its C++ CPU kernel at first
+# use; its tests check that it built). Idempotent: installs only what is missing.
 set -euo pipefail
-packages=(chromium sword-text-kjv sword-text-sparv)
+packages=(chromium sword-text-kjv sword-text-sparv g++)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

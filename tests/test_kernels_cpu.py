@@ -1,8 +1,10 @@
 """attnlab.kernels.cpu_flash: the blocked CPU kernel against the float64 oracle and eager path.
 
-Every case runs twice: with the default block sizes (small shapes: one block) and with tiny
-blocks (``tiny_blocks``: several row blocks, head groups and batch groups, run on the Python
-threads), so the tiling, the causal skipping and the per-block dropout draws are exercised.
+Every case runs in both implementations (``impl``: the C++ one, cpu_flash.cpp, which serves
+float32 and bfloat16 products where it builds, and the torch-ops one, which serves float64 and
+wherever the C++ one does not build), each with the default block sizes (small shapes: one
+block) and with tiny blocks (``tiny_blocks``: several row blocks, head groups and batch groups,
+on several threads), so the tiling, the causal skipping and the dropout draws are exercised.
 16-bit results are held to a control (the naive formula in the same dtype; conftest.py).
 """
 
@@ -14,6 +16,7 @@ import torch
 from torch.autograd import gradcheck
 
 import attnlab.kernels.cpu_flash as cf
+from attnlab.kernels import cpu_flash_native
 from attnlab import reference
 from attnlab.functional.sdpa import _eager
 from attnlab.kernels import describe, flash_attention, supports
@@ -21,6 +24,18 @@ from attnlab.masks import causal_keep
 from conftest import np64
 
 F64 = torch.float64
+
+
+@pytest.fixture(autouse=True, params=["cpp", "torch-ops"])
+def impl(request, monkeypatch):
+    """The C++ kernel (it must build here: a C++ compiler is part of the README's setup), or
+    the torch-ops blocks (as where it does not build)."""
+    if request.param == "cpp":
+        assert cpu_flash_native.module() is not None, cpu_flash_native.unavailable()
+    else:
+        monkeypatch.setattr(cpu_flash_native, "module", lambda: None)
+        monkeypatch.setattr(cpu_flash_native, "unavailable", lambda: "switched off by a test")
+    return request.param
 
 
 @pytest.fixture(params=["one-block", "tiny-blocks"])
@@ -273,7 +288,13 @@ def test_supports():
     bias = torch.zeros(4, 4, requires_grad=True)
     assert "requires grad" in supports(q, k, v, bias, 0.0)
     assert "empty" in supports(q[:, :, :0], k, v, None, 0.0)
-    assert "1 batch row(s) x 1 kv head(s) x 2*4 query rows" in describe(q, k, v, None)
+    said = describe(q, k, v, None)
+    if cpu_flash_native.module() is None:
+        assert "torch ops; not the C++ one: switched off by a test" in said
+        assert "1 batch row(s) x 1 kv head(s) x 2*4 query rows" in said
+    else:
+        assert "(C++, cpu_flash.cpp): 2*4 query rows of one kv head" in said
+    assert "torch ops; not the C++ one: float64" in describe(q.double(), k.double(), v.double(), None)
 
 
 # -- dropout ------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
+from attnlab.kernels import cpu_flash_native
 from attnlab.kernels._threads import in_threads, scratch_view
 
 BLOCK_ROWS = 256  # query rows per head in one block (measured: 64-512 within noise, 256 best)
@@ -108,15 +109,25 @@ def supports(q, k, v, mask, dropout_p) -> str | None:
 
 
 def describe(q, k, v, alignment) -> str:
-    """The tiling of a call in one line (for ``explain()``)."""
+    """The tiling of a call in one line (for ``explain()``), and which implementation runs it:
+    the C++ one, or these blocks in torch ops and why."""
     plan = _Plan(q, k, v, None, alignment, 1.0, 0.0, 0)
     products = "bfloat16" if plan.mm_dtype == torch.bfloat16 else "float32"
     # (a trace cannot read the thread count: the graph runs with the caller's)
     threads = "the caller's" if torch.compiler.is_compiling() else torch.get_num_threads()
+    if plan.native() is not None:
+        rows = plan.native_args()[4]
+        return (
+            f"blocked CPU kernel (C++, cpu_flash.cpp): {plan.G}*{rows} query rows of one kv "
+            f"head x every visible key per block, {products} products, {threads} thread(s); "
+            "saves the row log-sum-exp, not the weights"
+        )
+    why = "float64" if plan.mm_dtype == torch.float64 else cpu_flash_native.unavailable()
     return (
-        f"blocked CPU kernel: {plan.batches} batch row(s) x {plan.heads} kv head(s) x "
-        f"{plan.G}*{plan.rows} query rows x every visible key per block, {products} products, "
-        f"{threads} thread(s); saves the row log-sum-exp, not the weights"
+        f"blocked CPU kernel (torch ops; not the C++ one: {why}): {plan.batches} batch row(s) "
+        f"x {plan.heads} kv head(s) x {plan.G}*{plan.rows} query rows x every visible key per "
+        f"block, {products} products, {threads} thread(s); saves the row log-sum-exp, not the "
+        "weights"
     )
 
 
@@ -223,6 +234,32 @@ class _Plan:
                     n += 1
                 out.append((bs, js, rows))
         return out
+
+    def native(self):
+        """The C++ kernel (:mod:`~attnlab.kernels.cpu_flash_native`) where it serves this plan
+        (float32 or bfloat16 products), else None: these blocks in torch ops serve."""
+        if self.mm_dtype == torch.float64:
+            return None
+        return cpu_flash_native.module()
+
+    def native_args(self):
+        """The C++ kernel's arguments after q, k, v (and dout, stats for the backward).
+
+        Its blocks: ``rows`` query rows of a kv head's G heads, the block's float32 scores
+        within ``BLOCK_BYTES`` (all L rows with 16-bit products while they fit, as here)."""
+        mask = self.mask
+        if mask is not None:  # (B, Hkv, G, L, S), broadcast (stride 0): nothing materialised
+            if mask.is_floating_point():
+                mask = mask.float()  # (the bias in its own, small, shape)
+            mask = mask.expand(self.B, self.Hkv, self.G, self.L, self.S)
+        rows = self.rows
+        if rows != self.L:
+            rows = max(1, min(self.L, BLOCK_ROWS, BLOCK_BYTES // (self.G * self.S * 4)))
+        causal = self.offset is not None
+        return (
+            mask, causal, self.offset if causal else 0, self.scale, rows, self.width,
+            self.dropped if self.p > 0 else 0, self.keep, self.seed, torch.get_num_threads(),
+        )  # fmt: skip
 
     def load(self, q, k, v):
         """The compute-dtype q (B, Hkv, G, L, E), k, v (16-bit widened once, unless native)."""
@@ -435,6 +472,11 @@ def _forward(q, k, v, mask, alignment, scale, dropout_p, seed):
     plan = _Plan(q, k, v, mask, alignment, scale, dropout_p, seed)
     plan.load(q, k, v)
     B, Hkv, G, L = plan.B, plan.Hkv, plan.G, plan.L
+    native = plan.native()
+    if native is not None:
+        with torch.autocast("cpu", enabled=False):
+            out, stats = native.forward(plan.q, plan.k, plan.v, *plan.native_args())
+        return out.view(B, plan.H, L, plan.Ev).to(q.dtype), stats.view(B, plan.H, L, 2)
     out = q.new_empty(B, Hkv, G, L, plan.Ev)
     stats = torch.zeros(B, Hkv, G, L, 2, dtype=plan.dtype)
     stats[..., 0] = inf  # +inf: a dead row (a block that sees no key writes nothing)
@@ -452,6 +494,11 @@ def _backward(dout, q, k, v, out, stats, mask, alignment, scale, dropout_p, seed
     acc = plan.dtype
     stats = stats.view(B, Hkv, G, L, 2)
     do = dout.to(plan.mm_dtype).reshape(B, Hkv, G, L, Ev)  # (B, H, L, Ev) -> 5-D
+    native = plan.native()
+    if native is not None:
+        with torch.autocast("cpu", enabled=False):
+            dq, dk, dv = native.backward(do, plan.q, plan.k, plan.v, stats, *plan.native_args())
+        return dq.view(B, plan.H, L, E).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     D = None  # rowsum(dO * O) (bf16 products: each block sums its own, see backward_group)
     if plan.mm_dtype == plan.dtype:
         D = (do.to(acc) * out.to(acc).view(B, Hkv, G, L, Ev)).sum(-1)

@@ -1,0 +1,427 @@
+// attnlab's blocked CPU attention, forward and backward, in C++ (see cpu_flash_native.py).
+//
+// The same algorithm as the torch-ops kernel (cpu_flash.py), with each block's row passes fused
+// into loops over one row in cache instead of ~10 torch ops over the whole block:
+//
+//   t = s q k^T + bias (-inf where masked or past the causal limit)     natural units
+//   m = max_j t_j     l = sum_j exp(t_j - m)     P_j = exp(t_j - m) / l
+//   O = W V,  W = P Z / rho                      Z the dropout keep mask, rho the keep rate
+//   backward:  dP = dO V^T   D = sum_j W_j dP_j   dS = W dP - P D
+//              dV = W^T dO   dQ = s dS K          dK = s dS^T Q
+//
+// A block is the query rows r0:r1 of the G heads of one kv head (G*R rows) against every key
+// they can see (0:kmax), so the softmax of a row is exact in one pass and each product is one
+// GEMM (at::mm, single-threaded inside the parallel region). Forward: any thread takes the next
+// block. Backward: a thread owns one kv head of one batch row with all its row blocks, so dK,
+// dV (float32) add up without locks.
+//
+// Dropout: the keep mask of row `row` (its index in (B, H, L)) is a function of (seed, row,
+// column) alone -- splitmix64's stream from a per-row key, 64 bits giving four 16-bit or two
+// 32-bit draws, kept iff draw >= `dropped` -- so the backward regenerates the forward's mask
+// and the mask does not depend on the tiling or the thread count.
+//
+// Rows with no visible key: output 0, stats (+inf, 0), gradients 0.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+using at::Tensor;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// 2^x for x <= 0 (-inf gives 0, NaN stays NaN): x = n + f with n an integer and |f| <= 1/2,
+// 2^f from its Taylor series to degree 7 (truncation < 2e-8 relative), 2^n in the exponent.
+// Below 2^-126 the result is 0 (a weight under 1e-38 of the row's largest). Written so that
+// loops over it vectorise (no branches, no calls).
+inline float exp2_nonpositive(float x) {
+  float xc = x < -126.f ? -126.f : x;
+  float n = (xc + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23
+  float f = xc - n;
+  float p = 1.5252733804059841e-05f;  // ln(2)^7 / 7!
+  p = p * f + 1.5403530393381606e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.6181291076284772e-03f;
+  p = p * f + 5.5504108664821580e-02f;
+  p = p * f + 2.4022650695910071e-01f;
+  p = p * f + 6.9314718055994531e-01f;
+  p = p * f + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return x < -126.f ? 0.f : p * two_n;
+}
+
+inline uint64_t mix64(uint64_t z) {  // splitmix64's output function
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+struct Params {
+  int64_t B, H, Hkv, G, L, S, E, Ev, rows;
+  bool causal;
+  int64_t offset;  // causal: row i sees keys j <= i + offset
+  float scale;
+  // dropout
+  bool dropout;
+  int width;         // 16 or 32 bits per draw
+  uint64_t dropped;  // a draw below this is dropped
+  float inv_keep;    // 1 / rho
+  uint64_t seed;
+  // mask, (B, Hkv, G, L, S) with broadcast strides: 0 none, 1 bool (true = hidden), 2 float bias
+  int mask_kind;
+  const void* mask;
+  int64_t ms[5];
+};
+
+// The visible keys of row i (of head j*G + g, batch row b) among 0:N, and its scores t (natural
+// units, -inf where hidden) from the block's product row s.
+template <typename mm_t>
+int64_t row_scores(const Params& p, const mm_t* s, float* t, int64_t N, int64_t b, int64_t j,
+                   int64_t g, int64_t i) {
+  int64_t n = N;
+  if (p.causal) n = std::min<int64_t>(N, std::max<int64_t>(0, i + p.offset + 1));
+  const float scale = p.scale;
+  for (int64_t c = 0; c < n; ++c) t[c] = static_cast<float>(s[c]) * scale;
+  if (p.mask_kind != 0) {
+    const int64_t base = b * p.ms[0] + j * p.ms[1] + g * p.ms[2] + i * p.ms[3];
+    const int64_t step = p.ms[4];
+    if (p.mask_kind == 1) {
+      const uint8_t* m = static_cast<const uint8_t*>(p.mask) + base;
+      for (int64_t c = 0; c < n; ++c) t[c] = m[c * step] ? -kInf : t[c];
+    } else {
+      const float* m = static_cast<const float*>(p.mask) + base;
+      for (int64_t c = 0; c < n; ++c) t[c] += m[c * step];
+    }
+  }
+  return n;
+}
+
+// Row `row`'s keep mask over columns 0:n into keep (1 / rho or 0), from `words` scratch.
+void keep_row(const Params& p, int64_t row, int64_t n, uint64_t* words, float* keep) {
+  const int per_word = 64 / p.width;
+  const int64_t nwords = (n + per_word - 1) / per_word;
+  const uint64_t key = mix64(p.seed ^ mix64(static_cast<uint64_t>(row) + 1));
+  for (int64_t w = 0; w < nwords; ++w)
+    words[w] = mix64(key + static_cast<uint64_t>(w + 1) * 0x9e3779b97f4a7c15ULL);
+  const float inv_keep = p.inv_keep;
+  if (p.width == 16) {
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(words);
+    const uint32_t dropped = static_cast<uint32_t>(p.dropped);
+    for (int64_t c = 0; c < n; ++c) keep[c] = x[c] >= dropped ? inv_keep : 0.f;
+  } else {
+    const uint32_t* x = reinterpret_cast<const uint32_t*>(words);
+    const uint64_t dropped = p.dropped;
+    for (int64_t c = 0; c < n; ++c) keep[c] = x[c] >= dropped ? inv_keep : 0.f;
+  }
+}
+
+// Each thread's buffers, allocated once per call and reused across its blocks.
+struct Scratch {
+  Tensor q, s, pm, o, t, keep, words, pf, w, dp, ds, dsm, qf, dof;
+};
+
+inline int64_t block_keys(const Params& p, int64_t r1) {
+  return p.causal ? std::min<int64_t>(p.S, r1 + p.offset) : p.S;
+}
+
+// The query (or output gradient) rows r0:r1 of the G heads of x5[b, j] as one (G*R, X) matrix:
+// a view for G = 1, else a copy into buf.
+Tensor gather_rows(const Tensor& x5, int64_t b, int64_t j, int64_t r0, int64_t R, Tensor buf) {
+  Tensor x = x5.select(0, b).select(0, j).narrow(1, r0, R);  // (G, R, X)
+  const int64_t G = x.size(0), X = x.size(2);
+  if (G == 1) return x.select(0, 0);
+  Tensor out = buf.narrow(0, 0, G * R * X).view({G, R, X});
+  out.copy_(x);
+  return out.view({G * R, X});
+}
+
+// Runs work(task, scratch) for tasks 0:n on at most `threads` threads, each taking the next task.
+template <typename F>
+void run_tasks(int64_t n, int64_t threads, F work) {
+  std::atomic<int64_t> next{0};
+  threads = std::max<int64_t>(1, std::min<int64_t>(threads, n));
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      Scratch scratch;
+      for (int64_t task = next++; task < n; task = next++) work(task, scratch);
+    }
+  });
+}
+
+inline Tensor buffer(Tensor& slot, int64_t numel, at::ScalarType dtype) {
+  if (!slot.defined() || slot.numel() < numel) slot = at::empty({numel}, at::TensorOptions(dtype));
+  return slot;
+}
+
+template <typename mm_t>
+void forward_block(const Params& p, const Tensor& q5, const Tensor& k, const Tensor& v,
+                   Tensor& out5, float* stats, int64_t b, int64_t j, int64_t r0, int64_t r1,
+                   Scratch& sc) {
+  const int64_t G = p.G, R = r1 - r0, M = G * R, N = block_keys(p, r1);
+  const auto mm = q5.scalar_type();
+  if (N <= 0) {  // every row before the first key: dead (stats were set so)
+    out5.select(0, b).select(0, j).narrow(1, r0, R).zero_();
+    return;
+  }
+  Tensor qb = gather_rows(q5, b, j, r0, R, buffer(sc.q, M * p.E, mm));
+  Tensor s = buffer(sc.s, M * N, mm).narrow(0, 0, M * N).view({M, N});
+  at::mm_out(s, qb, k.select(0, b).select(0, j).narrow(0, 0, N).t());
+  Tensor pm = buffer(sc.pm, M * N, mm).narrow(0, 0, M * N).view({M, N});
+  float* t = buffer(sc.t, p.S, at::kFloat).data_ptr<float>();
+  float* keep = p.dropout ? buffer(sc.keep, p.S, at::kFloat).data_ptr<float>() : nullptr;
+  uint64_t* words =
+      p.dropout ? reinterpret_cast<uint64_t*>(buffer(sc.words, p.S + 8, at::kLong).data_ptr<int64_t>())
+                : nullptr;
+  const mm_t* s_ptr = s.data_ptr<mm_t>();
+  mm_t* p_ptr = pm.data_ptr<mm_t>();
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t g = r / R, i = r0 + r % R;
+    const int64_t n = row_scores<mm_t>(p, s_ptr + r * N, t, N, b, j, g, i);
+    mm_t* prow = p_ptr + r * N;
+    float m = -kInf;
+#pragma omp simd reduction(max : m)
+    for (int64_t c = 0; c < n; ++c) m = t[c] > m ? t[c] : m;
+    float* st = stats + (((b * p.Hkv + j) * G + g) * p.L + i) * 2;
+    if (m == -kInf) {  // no visible key
+      std::fill(prow, prow + N, static_cast<mm_t>(0.f));
+      continue;  // stats stay (+inf, 0)
+    }
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t c = 0; c < n; ++c) {
+      const float e = exp2_nonpositive((t[c] - m) * kLog2e);
+      t[c] = e;
+      total += e;
+    }
+    const float norm = 1.f / total;
+    if (p.dropout) {
+      keep_row(p, ((b * p.H) + j * G + g) * p.L + i, n, words, keep);
+      for (int64_t c = 0; c < n; ++c) prow[c] = static_cast<mm_t>(t[c] * norm * keep[c]);
+    } else {
+      for (int64_t c = 0; c < n; ++c) prow[c] = static_cast<mm_t>(t[c] * norm);
+    }
+    std::fill(prow + n, prow + N, static_cast<mm_t>(0.f));
+    st[0] = m;
+    st[1] = std::log(total);
+  }
+  Tensor o = buffer(sc.o, M * p.Ev, mm).narrow(0, 0, M * p.Ev).view({M, p.Ev});
+  at::mm_out(o, pm, v.select(0, b).select(0, j).narrow(0, 0, N));
+  out5.select(0, b).select(0, j).narrow(1, r0, R).copy_(o.view({G, R, p.Ev}));
+}
+
+template <typename mm_t>
+void backward_group(const Params& p, const Tensor& do5, const Tensor& q5, const Tensor& k,
+                    const Tensor& v, const float* stats, Tensor& dq5, Tensor& dk, Tensor& dv,
+                    int64_t b, int64_t j, Scratch& sc) {
+  const int64_t G = p.G;
+  const auto mm = q5.scalar_type();
+  const bool wide = mm != at::kFloat;  // 16-bit products
+  const int64_t blocks = (p.L + p.rows - 1) / p.rows;
+  // 16-bit products and one row block: dK and dV are one 16-bit GEMM each (rounded once);
+  // with more blocks they accumulate in float32 from float32 operands
+  const bool once = wide && blocks == 1;
+  Tensor kj = k.select(0, b).select(0, j), vj = v.select(0, b).select(0, j);
+  Tensor dkj = dk.select(0, b).select(0, j), dvj = dv.select(0, b).select(0, j);
+  for (int64_t r0 = 0; r0 < p.L; r0 += p.rows) {
+    const int64_t r1 = std::min(p.L, r0 + p.rows), R = r1 - r0, M = G * R;
+    const int64_t N = block_keys(p, r1);
+    Tensor dqb5 = dq5.select(0, b).select(0, j).narrow(1, r0, R);  // (G, R, E)
+    if (N <= 0) {
+      dqb5.zero_();
+      continue;
+    }
+    Tensor qb = gather_rows(q5, b, j, r0, R, buffer(sc.q, M * p.E, mm));
+    Tensor dob = gather_rows(do5, b, j, r0, R, buffer(sc.o, M * p.Ev, mm));
+    Tensor s = buffer(sc.s, M * N, mm).narrow(0, 0, M * N).view({M, N});
+    at::mm_out(s, qb, kj.narrow(0, 0, N).t());
+    Tensor pf = buffer(sc.pf, M * N, at::kFloat).narrow(0, 0, M * N).view({M, N});
+    Tensor w = p.dropout ? buffer(sc.w, M * N, at::kFloat).narrow(0, 0, M * N).view({M, N}) : pf;
+    float* t = buffer(sc.t, p.S, at::kFloat).data_ptr<float>();
+    float* keep = p.dropout ? buffer(sc.keep, p.S, at::kFloat).data_ptr<float>() : nullptr;
+    uint64_t* words = p.dropout ? reinterpret_cast<uint64_t*>(
+                                      buffer(sc.words, p.S + 8, at::kLong).data_ptr<int64_t>())
+                                : nullptr;
+    // 16-bit products: W and dS are also written in 16 bits, in the passes that make them
+    Tensor w_mm = wide ? buffer(sc.dsm, M * N, mm).narrow(0, 0, M * N).view({M, N}) : w;
+    const mm_t* s_ptr = s.data_ptr<mm_t>();
+    float* p_ptr = pf.data_ptr<float>();
+    float* w_ptr = w.data_ptr<float>();
+    mm_t* wm_ptr = wide ? w_mm.data_ptr<mm_t>() : nullptr;
+    std::vector<float> D(M, 0.f);
+    std::vector<int64_t> visible(M, 0);
+    for (int64_t r = 0; r < M; ++r) {  // P and W = P Z / rho, recomputed
+      const int64_t g = r / R, i = r0 + r % R;
+      const float* st = stats + (((b * p.Hkv + j) * G + g) * p.L + i) * 2;
+      float* prow = p_ptr + r * N;
+      float* wrow = w_ptr + r * N;
+      if (!(st[0] < kInf)) {  // a dead row
+        std::fill(prow, prow + N, 0.f);
+        if (p.dropout) std::fill(wrow, wrow + N, 0.f);
+        if (wide) std::fill(wm_ptr + r * N, wm_ptr + (r + 1) * N, static_cast<mm_t>(0.f));
+        continue;
+      }
+      const int64_t n = row_scores<mm_t>(p, s_ptr + r * N, t, N, b, j, g, i);
+      visible[r] = n;
+      const float m = st[0], inv_total = std::exp(-st[1]);
+      for (int64_t c = 0; c < n; ++c) prow[c] = exp2_nonpositive((t[c] - m) * kLog2e) * inv_total;
+      std::fill(prow + n, prow + N, 0.f);
+      if (p.dropout) {
+        keep_row(p, ((b * p.H) + j * G + g) * p.L + i, n, words, keep);
+        for (int64_t c = 0; c < n; ++c) wrow[c] = prow[c] * keep[c];
+        std::fill(wrow + n, wrow + N, 0.f);
+      }
+      if (once) {
+        mm_t* wmrow = wm_ptr + r * N;
+        for (int64_t c = 0; c < N; ++c) wmrow[c] = static_cast<mm_t>(wrow[c]);
+      }
+    }
+    Tensor dvb = dvj.narrow(0, 0, N);
+    if (once) {
+      dvb.add_(at::mm(w_mm.t(), dob));
+    } else if (wide) {
+      dvb.addmm_(w.t(), dob.to(at::kFloat));
+    } else {
+      dvb.addmm_(w.t(), dob);
+    }
+    Tensor dp = buffer(sc.dp, M * N, mm).narrow(0, 0, M * N).view({M, N});
+    at::mm_out(dp, dob, vj.narrow(0, 0, N).t());
+    const mm_t* dp_ptr = dp.data_ptr<mm_t>();
+    for (int64_t r = 0; r < M; ++r) {  // dS = W dP - P D, in place of W
+      const int64_t n = visible[r];
+      const mm_t* dprow = dp_ptr + r * N;
+      float* wrow = w_ptr + r * N;
+      const float* prow = p_ptr + r * N;
+      float d = 0.f;
+#pragma omp simd reduction(+ : d)
+      for (int64_t c = 0; c < n; ++c) d += wrow[c] * static_cast<float>(dprow[c]);
+      for (int64_t c = 0; c < n; ++c) wrow[c] = wrow[c] * static_cast<float>(dprow[c]) - prow[c] * d;
+      if (wide) {  // (a dead row's W is 0, so is its dS)
+        mm_t* dsrow = wm_ptr + r * N;
+        for (int64_t c = 0; c < N; ++c) dsrow[c] = static_cast<mm_t>(wrow[c]);
+      }
+    }
+    Tensor ds = w;  // (M, N) float32
+    Tensor ds_mm = w_mm;  // (in 16 bits, with 16-bit products)
+    Tensor dqb = at::mm(ds_mm, kj.narrow(0, 0, N));  // (M, E)
+    dqb5.copy_(dqb.view({G, R, p.E})).mul_(p.scale);
+    Tensor dkb = dkj.narrow(0, 0, N);
+    if (once) {
+      dkb.add_(at::mm(ds_mm.t(), qb), p.scale);
+    } else if (wide) {
+      dkb.addmm_(ds.t(), qb.to(at::kFloat), 1.0, p.scale);
+    } else {
+      dkb.addmm_(ds.t(), qb, 1.0, p.scale);
+    }
+  }
+}
+
+Params make_params(const Tensor& q5, const Tensor& k, const Tensor& v,
+                   const c10::optional<Tensor>& mask, int64_t offset, bool causal, double scale,
+                   int64_t rows, int64_t width, int64_t dropped, double keep, int64_t seed) {
+  TORCH_CHECK(q5.dim() == 5 && k.dim() == 4 && v.dim() == 4, "q (B,Hkv,G,L,E), k, v 4-D");
+  Params p{};
+  p.B = q5.size(0);
+  p.Hkv = q5.size(1);
+  p.G = q5.size(2);
+  p.H = p.Hkv * p.G;
+  p.L = q5.size(3);
+  p.E = q5.size(4);
+  p.S = k.size(2);
+  p.Ev = v.size(3);
+  p.rows = std::max<int64_t>(1, rows);
+  p.causal = causal;
+  p.offset = offset;
+  p.scale = static_cast<float>(scale);
+  p.dropout = dropped > 0;
+  p.width = static_cast<int>(width);
+  p.dropped = static_cast<uint64_t>(dropped);
+  p.inv_keep = static_cast<float>(1.0 / keep);
+  p.seed = static_cast<uint64_t>(seed);
+  p.mask_kind = 0;
+  if (mask.has_value() && mask->defined()) {
+    const Tensor& m = *mask;
+    TORCH_CHECK(m.dim() == 5, "mask as (B, Hkv, G, L, S)");
+    TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == at::kFloat,
+                "mask bool or float32");
+    p.mask_kind = m.scalar_type() == at::kBool ? 1 : 2;
+    p.mask = m.data_ptr();
+    for (int d = 0; d < 5; ++d) p.ms[d] = m.size(d) == 1 ? 0 : m.stride(d);
+  }
+  return p;
+}
+
+std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
+                            const c10::optional<Tensor>& mask, bool causal, int64_t offset,
+                            double scale, int64_t rows, int64_t width, int64_t dropped,
+                            double keep, int64_t seed, int64_t threads) {
+  Params p = make_params(q5, k, v, mask, offset, causal, scale, rows, width, dropped, keep, seed);
+  Tensor out5 = at::empty({p.B, p.Hkv, p.G, p.L, p.Ev}, q5.options());
+  Tensor stats = at::zeros({p.B, p.Hkv, p.G, p.L, 2}, q5.options().dtype(at::kFloat));
+  stats.select(4, 0).fill_(kInf);
+  float* st = stats.data_ptr<float>();
+  const int64_t row_blocks = (p.L + p.rows - 1) / p.rows;
+  const int64_t n = p.B * p.Hkv * row_blocks;
+  AT_DISPATCH_SWITCH(q5.scalar_type(), "attnlab_flash_forward",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
+        const int64_t rb = task % row_blocks, bj = task / row_blocks;
+        const int64_t r0 = rb * p.rows;
+        forward_block<float>(p, q5, k, v, out5, st, bj / p.Hkv, bj % p.Hkv, r0,
+                             std::min(p.L, r0 + p.rows), sc);
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
+        const int64_t rb = task % row_blocks, bj = task / row_blocks;
+        const int64_t r0 = rb * p.rows;
+        forward_block<at::BFloat16>(p, q5, k, v, out5, st, bj / p.Hkv, bj % p.Hkv, r0,
+                                    std::min(p.L, r0 + p.rows), sc);
+      });
+    }));
+  return {out5, stats};
+}
+
+std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& k,
+                             const Tensor& v, const Tensor& stats,
+                             const c10::optional<Tensor>& mask, bool causal, int64_t offset,
+                             double scale, int64_t rows, int64_t width, int64_t dropped,
+                             double keep, int64_t seed, int64_t threads) {
+  Params p = make_params(q5, k, v, mask, offset, causal, scale, rows, width, dropped, keep, seed);
+  TORCH_CHECK(stats.is_contiguous() && stats.scalar_type() == at::kFloat, "stats float32");
+  auto f32 = q5.options().dtype(at::kFloat);
+  Tensor dq5 = at::empty({p.B, p.Hkv, p.G, p.L, p.E}, f32);
+  Tensor dk = at::zeros({p.B, p.Hkv, p.S, p.E}, f32);
+  Tensor dv = at::zeros({p.B, p.Hkv, p.S, p.Ev}, f32);
+  const float* st = stats.data_ptr<float>();
+  const int64_t n = p.B * p.Hkv;
+  AT_DISPATCH_SWITCH(q5.scalar_type(), "attnlab_flash_backward",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
+        backward_group<float>(p, do5, q5, k, v, st, dq5, dk, dv, task / p.Hkv, task % p.Hkv, sc);
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
+        backward_group<at::BFloat16>(p, do5, q5, k, v, st, dq5, dk, dv, task / p.Hkv,
+                                     task % p.Hkv, sc);
+      });
+    }));
+  return {dq5, dk, dv};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "blocked attention forward: (out, stats)");
+  m.def("backward", &backward, "blocked attention backward: (dq, dk, dv)");
+}

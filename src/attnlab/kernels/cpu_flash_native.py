@@ -1,0 +1,104 @@
+"""The blocked CPU kernel in C++ (``cpu_flash.cpp``), built on this machine at first use.
+
+:mod:`attnlab.kernels.cpu_flash` computes each block with ~20 torch ops, each a pass over the
+block's scores: Python and the passes cost it 1.3-1.8x torch's own fused kernel. The C++ file
+is the same algorithm with each row's passes fused into loops over one row in cache (the
+products stay ``at::mm``: oneDNN/MKL, AMX in bfloat16), and the blocks spread over torch's
+threads with one parallel region per call.
+
+Build: :func:`module` compiles it with ``torch.utils.cpp_extension.load`` the first time a
+process needs it (~1 minute on 2 cores, once per machine: torch caches the build under
+``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), for this CPU
+(``-march=native``; the build's name carries the CPU's flags, so a shared home directory keeps
+one build per kind of CPU). Where it cannot be built (no C++ compiler), or with
+``ATTNLAB_CPU_NATIVE=0``, :func:`module` returns None and says why (:func:`unavailable`):
+the torch-ops kernel serves, with the same results to rounding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+ENV = "ATTNLAB_CPU_NATIVE"  # "0": never build or use the C++ kernel
+SOURCE = Path(__file__).with_name("cpu_flash.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"]
+
+_lock = threading.Lock()
+_state: dict = {}  # "module" or "why"
+
+
+def module():
+    """The compiled kernel (``forward``, ``backward``), or None where it is not available."""
+    if "module" in _state:
+        return _state["module"]
+    if "why" in _state:
+        return None
+    with _lock:
+        if "module" not in _state and "why" not in _state:
+            _build()
+    return _state.get("module")
+
+
+def unavailable() -> str | None:
+    """None when the C++ kernel serves (it is built if need be), else why not, in one line."""
+    return None if module() is not None else _state["why"]
+
+
+def _build() -> None:
+    if os.environ.get(ENV, "1") == "0":
+        _state["why"] = f"{ENV}=0"
+        return
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        _state["why"] = f"no C++ compiler ({compiler!r} not found) to build cpu_flash.cpp"
+        return
+    _ninja_on_path()
+    name = f"attnlab_cpu_flash_{_cpu_tag()}"
+    try:
+        from torch.utils import cpp_extension
+
+        built = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
+        if not built.exists():  # (a pause of a minute deserves a word)
+            logging.getLogger("attnlab").warning(
+                "attnlab: building its C++ CPU attention kernel for this machine (once, about a "
+                "minute; set %s=0 to skip it)", ENV
+            )
+        _state["module"] = cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=FLAGS,
+            verbose=False,
+        )
+    except Exception as error:  # a failed build leaves the torch-ops kernel serving
+        lines = [line for line in str(error).splitlines() if "error" in line.lower()]
+        said = (lines[-1] if lines else str(error) or type(error).__name__).strip()
+        _state["why"] = f"cpu_flash.cpp did not build ({said[:300]})"
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; the ninja wheel's binary may sit beside the
+    interpreter (a virtual environment that was not activated)."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+
+
+def _cpu_tag() -> str:
+    """8 hex digits of this CPU's flags and the source: a build per kind of CPU and version."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    digest = hashlib.sha256(flags.encode() + SOURCE.read_bytes() + " ".join(FLAGS).encode())
+    return digest.hexdigest()[:8]

@@ -1,0 +1,116 @@
+"""The C++ blocked CPU kernel (attnlab/kernels/cpu_flash.cpp): what is particular to it.
+
+Its results against the oracle run in tests/test_kernels_cpu.py (every case there runs in both
+implementations); here: dropout draws that depend on (seed, row, column) only, results that do
+not depend on the thread count, scratch reused from an earlier call, exponentials over a wide
+range, and the fallback to the torch-ops blocks where it does not build.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import attnlab.kernels.cpu_flash as cf
+from attnlab import reference
+from attnlab.functional.sdpa import _eager
+from attnlab.kernels import cpu_flash_native, describe, flash_attention
+from conftest import np64
+
+
+@pytest.fixture(autouse=True)
+def built():
+    assert cpu_flash_native.module() is not None, cpu_flash_native.unavailable()
+
+
+def inputs(B, H, Hkv, L, S, E, Ev, dtype=torch.float32, seed=0, grad=False, spread=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, E, generator=g, dtype=torch.float64) * spread
+    k = torch.randn(B, Hkv, S, E, generator=g, dtype=torch.float64)
+    v = torch.randn(B, Hkv, S, Ev, generator=g, dtype=torch.float64)
+    return [t.to(dtype).requires_grad_(grad) for t in (q, k, v)]
+
+
+def keep_pattern(monkeypatch, rows, threads, alignment=None):
+    """Which weights survive dropout (V = I: the output is the dropped weights)."""
+    monkeypatch.setattr(cf, "BLOCK_ROWS", rows)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    q, k, _ = inputs(2, 4, 2, 37, 29, 8, 8)
+    eye = torch.eye(29).expand(2, 2, 29, 29)
+    torch.manual_seed(7)
+    return flash_attention(q, k, eye, None, alignment, 0.5, 0.3) != 0
+
+
+@pytest.mark.parametrize("alignment", [None, "bottom_right"])
+def test_dropout_draws_do_not_depend_on_tiling_or_threads(monkeypatch, alignment):
+    base = keep_pattern(monkeypatch, 256, 1, alignment)
+    assert 0.6 < base.float().mean() < 0.8 or alignment  # ~0.7 kept (causal: fewer visible)
+    for rows, threads in ((1, 2), (5, 1), (16, 2)):
+        assert torch.equal(keep_pattern(monkeypatch, rows, threads, alignment), base)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_results_do_not_depend_on_the_thread_count(monkeypatch, dtype, p):
+    q, k, v = inputs(3, 4, 2, 40, 33, 16, 8, dtype=dtype, grad=True)
+    mask = torch.rand(3, 1, 40, 33, generator=torch.Generator().manual_seed(1)) > 0.2
+    up = torch.randn(3, 4, 40, 8, generator=torch.Generator().manual_seed(2)).to(dtype)
+    runs = []
+    for threads in (1, 2):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        torch.manual_seed(3)
+        out = flash_attention(q, k, v, mask, "top_left", 0.25, p)
+        runs.append((out, *torch.autograd.grad(out, (q, k, v), up)))
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)  # each block's (and kv head's) work is one thread's, whole
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_dead_rows_are_zero_after_a_call_that_filled_the_scratch(dtype, p):
+    """The kernel reuses buffers; a row with no visible key must write its zeros (before: the
+    16-bit copy of a dead row's W was left as the allocator found it -- NaN gradients)."""
+    B, H, L, S = 2, 4, 48, 40
+    for warm in (False, True):
+        q, k, v = inputs(B, H, 2, L, S, 16, 16, dtype=dtype, seed=int(warm), grad=True)
+        if warm:  # dead rows: the first L - S under bottom-right alignment, and row 45
+            mask = torch.ones(L, S, dtype=torch.bool)
+            mask[45] = False
+            out = flash_attention(q, k, v, mask, "bottom_right", 0.25, p)
+        else:  # the same shapes, every row live: the scratch holds numbers
+            out = flash_attention(q, k, v, None, None, 0.25, p)
+        grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        assert all(torch.isfinite(t).all() for t in (out, *grads))
+    dead = [*range(L - S), 45]
+    assert torch.equal(out[:, :, dead], torch.zeros_like(out[:, :, dead]))
+    assert torch.equal(grads[0][:, :, dead], torch.zeros_like(grads[0][:, :, dead]))
+
+
+def test_exponentials_over_a_wide_range_match_the_oracle():
+    """The kernel's own 2^x (a polynomial, not libm's exp) over scores spanning ~200 units:
+    float32 error within twice the readable formula's, in float32, against float64."""
+    q, k, v = inputs(2, 2, 2, 64, 64, 16, 16, spread=6.0)
+    want = reference.scaled_dot_product_attention(np64(q), np64(k), np64(v), scale=1.0)
+    got = flash_attention(q, k, v, None, None, 1.0, 0.0).double().numpy()
+    control = _eager(q, k, v, None, None, 1.0, 0.0)[0].double().numpy()
+    err, err_control = np.abs(got - want).max(), np.abs(control - want).max()
+    assert err <= 2 * err_control + 1e-7, (err, err_control)
+
+
+def test_where_it_does_not_build_the_torch_ops_blocks_serve_and_say_why(monkeypatch):
+    monkeypatch.setattr(cpu_flash_native, "_state", {})  # as in a fresh process
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert cpu_flash_native.module() is None
+    assert "no C++ compiler ('/nonexistent/c++' not found)" in cpu_flash_native.unavailable()
+    q, k, v = inputs(1, 2, 1, 9, 7, 8, 8)
+    assert "torch ops; not the C++ one: no C++ compiler" in describe(q, k, v, None)
+    want = reference.scaled_dot_product_attention(np64(q), np64(k), np64(v), scale=0.5)
+    got = flash_attention(q, k, v, None, None, 0.5, 0.0)
+    np.testing.assert_allclose(got.double().numpy(), want, rtol=0, atol=2e-6)
+
+    monkeypatch.setattr(cpu_flash_native, "_state", {})
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv(cpu_flash_native.ENV, "0")
+    assert cpu_flash_native.module() is None
+    assert cpu_flash_native.unavailable() == "ATTNLAB_CPU_NATIVE=0"
