@@ -16,10 +16,9 @@ import torch
 from torch.autograd import gradcheck
 
 import attnlab.kernels.cpu_flash as cf
-from attnlab.kernels import cpu_flash_native
 from attnlab import reference
 from attnlab.functional.sdpa import _eager
-from attnlab.kernels import describe, flash_attention, supports
+from attnlab.kernels import cpu_flash_native, describe, flash_attention, supports
 from attnlab.masks import causal_keep
 from conftest import np64
 
@@ -294,7 +293,8 @@ def test_supports():
         assert "1 batch row(s) x 1 kv head(s) x 2*4 query rows" in said
     else:
         assert "(C++, cpu_flash.cpp): 2*4 query rows of one kv head" in said
-    assert "torch ops; not the C++ one: float64" in describe(q.double(), k.double(), v.double(), None)
+    wide = describe(q.double(), k.double(), v.double(), None)
+    assert "torch ops; not the C++ one: float64" in wide
 
 
 # -- dropout ------------------------------------------------------------------------------------

@@ -66,7 +66,8 @@ def _build() -> None:
         if not built.exists():  # (a pause of a minute deserves a word)
             logging.getLogger("attnlab").warning(
                 "attnlab: building its C++ CPU attention kernel for this machine (once, about a "
-                "minute; set %s=0 to skip it)", ENV
+                "minute; set %s=0 to skip it)",
+                ENV,
             )
         _state["module"] = cpp_extension.load(
             name=name,
