@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -125,9 +126,29 @@ void keep_row(const Params& p, int64_t row, int64_t n, uint64_t* words, float* k
   }
 }
 
-// Each thread's buffers, allocated once per call and reused across its blocks.
+// One reusable buffer: grows when a call needs more, kept for the thread's next call (a fresh
+// allocation of megabytes per call costs page faults: a one-head call took 2x torch's time).
+struct Slot {
+  void* data = nullptr;
+  size_t bytes = 0;
+  Slot() = default;
+  Slot(const Slot&) = delete;
+  Slot& operator=(const Slot&) = delete;
+  ~Slot() { std::free(data); }
+  void* get(size_t n) {
+    if (n > bytes) {
+      std::free(data);
+      bytes = (n + 63) / 64 * 64;
+      data = std::aligned_alloc(64, bytes);
+      TORCH_CHECK(data != nullptr, "attnlab cpu_flash: out of memory for a block's scratch");
+    }
+    return data;
+  }
+};
+
+// Each thread's buffers (thread_local: the pool's threads live between calls).
 struct Scratch {
-  Tensor q, s, pm, o, t, keep, words, pf, w, dp, ds, dsm, qf, dof;
+  Slot q, s, pm, o, t, keep, words, pf, w, dp, dsm;
 };
 
 inline int64_t block_keys(const Params& p, int64_t r1) {
@@ -151,16 +172,17 @@ void run_tasks(int64_t n, int64_t threads, F work) {
   std::atomic<int64_t> next{0};
   threads = std::max<int64_t>(1, std::min<int64_t>(threads, n));
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    thread_local Scratch scratch;
     for (int64_t t = t0; t < t1; ++t) {
-      Scratch scratch;
       for (int64_t task = next++; task < n; task = next++) work(task, scratch);
     }
   });
 }
 
-inline Tensor buffer(Tensor& slot, int64_t numel, at::ScalarType dtype) {
-  if (!slot.defined() || slot.numel() < numel) slot = at::empty({numel}, at::TensorOptions(dtype));
-  return slot;
+// A (numel,) tensor over the slot's memory (not owned: valid until the slot grows).
+inline Tensor buffer(Slot& slot, int64_t numel, at::ScalarType dtype) {
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(numel, 1)) * c10::elementSize(dtype);
+  return at::from_blob(slot.get(bytes), {numel}, at::TensorOptions(dtype));
 }
 
 template <typename mm_t>
@@ -257,7 +279,6 @@ void backward_group(const Params& p, const Tensor& do5, const Tensor& q5, const 
     float* p_ptr = pf.data_ptr<float>();
     float* w_ptr = w.data_ptr<float>();
     mm_t* wm_ptr = wide ? w_mm.data_ptr<mm_t>() : nullptr;
-    std::vector<float> D(M, 0.f);
     std::vector<int64_t> visible(M, 0);
     for (int64_t r = 0; r < M; ++r) {  // P and W = P Z / rho, recomputed
       const int64_t g = r / R, i = r0 + r % R;

@@ -116,6 +116,8 @@ def describe(q, k, v, alignment) -> str:
     # (a trace cannot read the thread count: the graph runs with the caller's)
     threads = "the caller's" if torch.compiler.is_compiling() else torch.get_num_threads()
     if plan.native() is not None:
+        if cpu_flash_native.threads() != torch.get_num_threads():
+            threads = "1 (a forked child: OpenMP's threads do not survive fork)"
         rows = plan.native_args()[4]
         return (
             f"blocked CPU kernel (C++, cpu_flash.cpp): {plan.G}*{rows} query rows of one kv "
@@ -258,7 +260,7 @@ class _Plan:
         causal = self.offset is not None
         return (
             mask, causal, self.offset if causal else 0, self.scale, rows, self.width,
-            self.dropped if self.p > 0 else 0, self.keep, self.seed, torch.get_num_threads(),
+            self.dropped if self.p > 0 else 0, self.keep, self.seed, cpu_flash_native.threads(),
         )  # fmt: skip
 
     def load(self, q, k, v):

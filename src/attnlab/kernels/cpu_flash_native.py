@@ -24,12 +24,35 @@ import shutil
 import threading
 from pathlib import Path
 
+import torch
+
 ENV = "ATTNLAB_CPU_NATIVE"  # "0": never build or use the C++ kernel
 SOURCE = Path(__file__).with_name("cpu_flash.cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"]
+# -fopenmp: at::parallel_for is an OpenMP region compiled here (without it the blocks ran on one
+# thread); the runtime is the libgomp torch ships and has loaded (one runtime, shared)
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 
 _lock = threading.Lock()
 _state: dict = {}  # "module" or "why"
+_forked = [False]
+
+
+def _after_fork_in_child() -> None:
+    _forked[0] = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def threads() -> int:
+    """The threads a call runs on: torch's count, but 1 in a forked child.
+
+    The blocks share an OpenMP region (``at::parallel_for``, as torch's own kernels do), and
+    GNU OpenMP's threads do not survive ``fork``: a child whose parent had used them waits
+    forever in its first region of 2+ threads (torch's own SDPA too; PyTorch's DataLoader
+    workers run 1 thread for this reason). One thread there: slower, never stuck.
+    """
+    return 1 if _forked[0] else torch.get_num_threads()
 
 
 def module():
@@ -73,6 +96,7 @@ def _build() -> None:
             name=name,
             sources=[str(SOURCE)],
             extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as error:  # a failed build leaves the torch-ops kernel serving
