@@ -114,3 +114,77 @@ def test_where_it_does_not_build_the_torch_ops_blocks_serve_and_say_why(monkeypa
     monkeypatch.setenv(cpu_flash_native.ENV, "0")
     assert cpu_flash_native.module() is None
     assert cpu_flash_native.unavailable() == "ATTNLAB_CPU_NATIVE=0"
+
+
+SHAPES = [  # (B, H, Hkv, L, S, E, Ev): B * Hkv = 1 (the row blocks of one kv head dealt out to
+    # two threads, dK, dV summed from per-thread copies), GQA 4/2, L != S, E != Ev
+    (1, 4, 1, 37, 29, 8, 8),
+    (2, 4, 2, 23, 31, 16, 8),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+@pytest.mark.parametrize("alignment", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_gradients_within_twice_the_control_error(
+    monkeypatch, shape, mask_kind, alignment, threads
+):
+    """Forward and gradients in float32 against float64: error <= 2x the readable formula's in
+    float32 (+ 1e-6), for several row blocks (rows of 5) on one and two threads."""
+    monkeypatch.setattr(cf, "BLOCK_ROWS", 5)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    B, H, Hkv, L, S, E, Ev = shape
+    g = torch.Generator().manual_seed(3)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(B, 1, L, S, generator=g) > 0.3
+        mask[0, 0, L // 2] = False  # a dead row
+    elif mask_kind == "float":
+        mask = torch.randn(1, H, L, S, generator=g).masked_fill(
+            torch.rand(1, H, L, S, generator=g) > 0.7, float("-inf")
+        )
+    up = torch.randn(B, H, L, Ev, generator=g)
+
+    def run(fn, dtype):
+        q, k, v = inputs(*shape, dtype=dtype, seed=4, grad=True)
+        m = mask.to(dtype) if mask is not None and mask.is_floating_point() else mask
+        out = fn(q, k, v, m, alignment, 0.3, 0.0)
+        out = out[0] if isinstance(out, tuple) else out
+        return (out, *torch.autograd.grad(out, (q, k, v), up.to(dtype)))
+
+    truth, ours, control = (
+        run(_eager, torch.float64),
+        run(flash_attention, torch.float32),
+        run(_eager, torch.float32),
+    )
+    for name, t, o, c in zip(("out", "dq", "dk", "dv"), truth, ours, control, strict=True):
+        err, err_control = (o.double() - t).abs().max(), (c.double() - t).abs().max()
+        assert err <= 2 * err_control + 1e-6, (name, float(err), float(err_control))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_dropout_gradients_use_the_forward_mask(monkeypatch, threads):
+    """Gradients equal the readable formula's with the keep mask recovered from the forward
+    (V = I), in float32, on one and two threads (one kv head: its row blocks dealt out)."""
+    monkeypatch.setattr(cf, "BLOCK_ROWS", 4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    B, H, Hkv, L, S, p = 1, 2, 1, 19, 13, 0.25
+    q, k, _ = inputs(B, H, Hkv, L, S, 6, S, seed=8, grad=True)
+    v = torch.eye(S).repeat(B, Hkv, 1, 1).requires_grad_()
+    torch.manual_seed(3)
+    out = flash_attention(q, k, v, None, "bottom_right", 0.5, p)
+    keep = (out != 0).detach() | ~torch.ones(L, S, dtype=torch.bool).tril(S - L)
+    assert 0 < (~keep).sum() < keep.numel() / 2
+    up = torch.randn(B, H, L, S, generator=torch.Generator().manual_seed(9))
+    got = torch.autograd.grad(out, (q, k, v), up)
+    w = (
+        _eager(q, k, v, None, "bottom_right", 0.5, 0.0)[1]
+        * keep
+        / cf._Plan(q, k, v, None, None, 0.5, p, 0).keep
+    )
+    ref = (w.view(B, Hkv, H // Hkv * L, S) @ v).view(B, H, L, S)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    want = torch.autograd.grad(ref, (q, k, v), up)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
