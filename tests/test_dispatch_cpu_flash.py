@@ -77,8 +77,9 @@ def test_16_bit_training_takes_the_kernel_measured_faster_once(ratio, path, monk
 def test_length_classes_are_powers_of_two_from_64_to_1024():
     got = [choice.length_class(L, S) for L, S in ((1, 1), (65, 3), (128, 128), (5, 129), (4096, 1))]
     assert got == [64, 128, 128, 256, 1024]
-    assert choice.probe_shape(64, 32) == (1, 256, 64, 32)
-    assert choice.probe_shape(1024, 64) == (1, 1, 1024, 64)
+    assert choice.probe_shape(64, 32) == (1, 64, 64, 32)  # (at most 64 heads)
+    assert choice.probe_shape(512, 32) == (1, 32, 512, 32)
+    assert choice.probe_shape(1024, 64) == (1, 8, 1024, 64)
 
 
 def test_the_measurement_times_both_kernels_and_leaves_the_process_as_it_was():

@@ -237,9 +237,10 @@ def _choose(
         )
     measured = None  # why torch's kernel trains this 16-bit call, when measured faster
     if query.is_cpu and (dropout_p > 0 or _trains_16bit(query, key, value)):
-        # Measured in benchmarks/bench_core.py (--only flash): the blocked kernel runs dropout
-        # at 0.5-0.67x torch's time and 1/4 its memory; torch stays faster in float32 without
-        # dropout (kernel 1.1-1.5x), so it keeps those. Which trains 16-bit attention faster
+        # Measured in benchmarks/bench_core.py (--only flash): the blocked kernel (C++) runs
+        # dropout at 0.24-0.31x torch's time in float32 (0.14-0.16x in bfloat16) and 1/6 its
+        # memory; torch stays faster in float32 without dropout (kernel 1.1-1.2x), so it keeps
+        # those. Which trains 16-bit attention faster
         # depends on the CPU: measured once per process (attnlab.kernels.choice). A compiled
         # graph holds the kernel as an operator (attnlab::cpu_flash); the 16-bit choice is
         # made when the graph is traced (from fixed sizes). An exported program keeps torch's

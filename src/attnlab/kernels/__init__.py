@@ -1,7 +1,9 @@
 """attnlab's own kernels, each behind one Python entry point that the dispatch can call.
 
-* :mod:`attnlab.kernels.cpu_flash` -- blocked ("flash") attention on CPU in torch ops, forward
-  and backward, with dropout inside the blocks: ``flash_attention(q, k, v, mask, alignment,
+* :mod:`attnlab.kernels.cpu_flash` -- blocked ("flash") attention on CPU, forward and backward,
+  with dropout inside the blocks, in C++ (``cpu_flash.cpp``, built at first use by
+  :mod:`~attnlab.kernels.cpu_flash_native`) or, for float64 and where that does not build, in
+  torch ops: ``flash_attention(q, k, v, mask, alignment,
   scale, dropout_p, generator=None)``, ``supports(q, k, v, mask, dropout_p)`` (None, or why
   not) and ``describe(q, k, v, alignment)`` (the tiling in one line, for ``explain()``).
   :mod:`attnlab.kernels.choice` -- ``training_16bit(dtype, E, Ev, L, S)``: whether it or

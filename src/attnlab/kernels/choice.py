@@ -11,12 +11,16 @@ float16     x0.47   x0.29   x0.22   x0.19   x0.15
 ==========  ======  ======  ======  ======  ======
 
 and on an AVX2 machine x0.22 in bfloat16 at L = 1024 (torch's bf16 backward there is 5x its
-float32 one). A rule from CPU flags would be a guess, so the dispatch measures: once per process
+float32 one). On a Xeon with AMX (the kernel's C++ implementation; torch's bf16 kernel uses AMX
+too), at the probe's shapes, 1 thread: bfloat16 x1.35 at L = 64, x0.87 at 256, x0.84-0.97 at
+1,024; float16 x0.79, x0.69, x0.97 (at (4, 8, 1024, 64), bfloat16: x0.77-0.81).
+A rule from CPU flags would be a guess, so the dispatch measures: once per process
 for each (dtype, head sizes, length class, thread count), both kernels run forward+backward on a
-probe of that length class (``max(L, S)`` rounded up to a power of two in 64..1024, about 2^20
-scores: (1, 2^20 / n^2, n, E)), round-robin, and the faster serves every later call of the
-class. The probe draws from its own generator (the global RNG is left as it was) and takes
-~0.1-1 s once.
+probe of that length class (``max(L, S)`` rounded up to a power of two in 64..1024, about 2^23
+scores but at most 64 heads: (1, min(64, 2^23 / n^2), n, E); with one head, at 2^20, a kernel
+that spreads heads over threads looked slower than it is on real shapes), round-robin, and the
+faster serves every later call of the class. The probe draws from its own generator (the global
+RNG is left as it was) and takes ~0.2-1 s once.
 
 ``ATTNLAB_CPU_TRAINING_KERNEL`` decides instead of measuring: ``attnlab`` (the blocked kernel),
 ``torch`` (torch's fused kernel) or ``measure`` (the default). Both kernels compute the same
@@ -41,7 +45,8 @@ from attnlab.kernels.cpu_flash import flash_attention
 ENV = "ATTNLAB_CPU_TRAINING_KERNEL"
 SETTINGS = ("measure", "attnlab", "torch")
 LENGTHS = (64, 1024)  # the length classes: powers of two from the first to the last
-SCORES = 2**20  # scores per probe call (heads x n x n)
+SCORES = 2**23  # scores per probe call (heads x n x n) ...
+HEADS = 64  # ... in at most this many heads
 ROUNDS = 3  # timed rounds of each kernel after one warm-up round; the best of each is compared
 
 
@@ -121,7 +126,7 @@ def _on_own_thread(fn, *args):
 
 def probe_shape(n: int, E: int) -> tuple[int, int, int, int]:
     """(B, H, L = S, E) of the probe of length class ``n``."""
-    return (1, max(1, SCORES // (n * n)), n, E)
+    return (1, min(HEADS, max(1, SCORES // (n * n))), n, E)
 
 
 def measure(dtype: torch.dtype, E: int, Ev: int, n: int = 512, rounds: int = ROUNDS) -> float:

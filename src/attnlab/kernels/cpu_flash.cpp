@@ -244,7 +244,7 @@ void forward_block(const Params& p, const Tensor& q5, const Tensor& k, const Ten
 template <typename mm_t>
 void backward_group(const Params& p, const Tensor& do5, const Tensor& q5, const Tensor& k,
                     const Tensor& v, const float* stats, Tensor& dq5, Tensor& dk, Tensor& dv,
-                    int64_t b, int64_t j, Scratch& sc) {
+                    int64_t b, int64_t j, int64_t first, int64_t stride, Scratch& sc) {
   const int64_t G = p.G;
   const auto mm = q5.scalar_type();
   const bool wide = mm != at::kFloat;  // 16-bit products
@@ -254,7 +254,7 @@ void backward_group(const Params& p, const Tensor& do5, const Tensor& q5, const 
   const bool once = wide && blocks == 1;
   Tensor kj = k.select(0, b).select(0, j), vj = v.select(0, b).select(0, j);
   Tensor dkj = dk.select(0, b).select(0, j), dvj = dv.select(0, b).select(0, j);
-  for (int64_t r0 = 0; r0 < p.L; r0 += p.rows) {
+  for (int64_t r0 = first * p.rows; r0 < p.L; r0 += stride * p.rows) {
     const int64_t r1 = std::min(p.L, r0 + p.rows), R = r1 - r0, M = G * R;
     const int64_t N = block_keys(p, r1);
     Tensor dqb5 = dq5.select(0, b).select(0, j).narrow(1, r0, R);  // (G, R, E)
@@ -424,19 +424,41 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
   Tensor dk = at::zeros({p.B, p.Hkv, p.S, p.E}, f32);
   Tensor dv = at::zeros({p.B, p.Hkv, p.S, p.Ev}, f32);
   const float* st = stats.data_ptr<float>();
-  const int64_t n = p.B * p.Hkv;
+  const int64_t groups = p.B * p.Hkv;
+  // Fewer kv heads (x batch rows) than threads: each group's row blocks are dealt out to
+  // `parts` tasks, each summing dK, dV into a float32 copy of its own, added up at the end
+  // (deterministic: a task's blocks and the final sum run in a fixed order).
+  const int64_t parts = groups < threads ? std::min<int64_t>(threads, p.L) : 1;
+  Tensor dk_parts = dk, dv_parts = dv;
+  if (parts > 1) {
+    p.rows = std::max<int64_t>(1, std::min(p.rows, (p.L + 2 * parts - 1) / (2 * parts)));
+    dk_parts = at::zeros({parts, p.B, p.Hkv, p.S, p.E}, f32);
+    dv_parts = at::zeros({parts, p.B, p.Hkv, p.S, p.Ev}, f32);
+  }
+  const int64_t n = groups * parts;
   AT_DISPATCH_SWITCH(q5.scalar_type(), "attnlab_flash_backward",
     AT_DISPATCH_CASE(at::kFloat, [&] {
       run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
-        backward_group<float>(p, do5, q5, k, v, st, dq5, dk, dv, task / p.Hkv, task % p.Hkv, sc);
+        const int64_t g = task / parts, part = task % parts;
+        Tensor dk_t = parts > 1 ? dk_parts.select(0, part) : dk;
+        Tensor dv_t = parts > 1 ? dv_parts.select(0, part) : dv;
+        backward_group<float>(p, do5, q5, k, v, st, dq5, dk_t, dv_t, g / p.Hkv, g % p.Hkv, part,
+                              parts, sc);
       });
     })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
-        backward_group<at::BFloat16>(p, do5, q5, k, v, st, dq5, dk, dv, task / p.Hkv,
-                                     task % p.Hkv, sc);
+        const int64_t g = task / parts, part = task % parts;
+        Tensor dk_t = parts > 1 ? dk_parts.select(0, part) : dk;
+        Tensor dv_t = parts > 1 ? dv_parts.select(0, part) : dv;
+        backward_group<at::BFloat16>(p, do5, q5, k, v, st, dq5, dk_t, dv_t, g / p.Hkv,
+                                     g % p.Hkv, part, parts, sc);
       });
     }));
+  if (parts > 1) {
+    dk = dk_parts.sum(0);
+    dv = dv_parts.sum(0);
+  }
   return {dq5, dk, dv};
 }
 

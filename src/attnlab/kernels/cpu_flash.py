@@ -1,4 +1,11 @@
-"""Blocked ("flash") attention on CPU, forward and backward, in torch ops.
+"""Blocked ("flash") attention on CPU, forward and backward.
+
+Two implementations of one algorithm: the C++ one (``cpu_flash.cpp``, built at first use by
+:mod:`attnlab.kernels.cpu_flash_native`), which serves float32 and bfloat16 products wherever
+it builds, and the torch-ops one below, which serves float64 (the gradcheck tests) and machines
+without a C++ compiler, and is the readable text of the algorithm. They differ in their dropout
+draws (the C++ mask is a function of (seed, row, column); here, of the seed and the block) and
+in rounding; ``_forward`` and ``_backward`` pick the same one for a call.
 
 Math (per head; ``s`` the scale, ``M`` 0 / -inf from the mask and the causal triangle)::
 
