@@ -42,6 +42,14 @@ def keep_pattern(monkeypatch, rows, threads, alignment=None):
     return flash_attention(q, k, eye, None, alignment, 0.5, 0.3) != 0
 
 
+def test_blocks_take_several_groups_when_they_hold_whole_rows(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    q, k, v = inputs(5, 8, 4, 11, 9, 8, 4)
+    assert "2*11 query rows of 4 kv head(s)" in describe(q, k, v, None)  # 20 groups / (3 x 2)
+    monkeypatch.setattr(cf, "BLOCK_ROWS", 5)
+    assert "2*5 query rows of 1 kv head(s)" in describe(q, k, v, None)
+
+
 @pytest.mark.parametrize("alignment", [None, "bottom_right"])
 def test_dropout_draws_do_not_depend_on_tiling_or_threads(monkeypatch, alignment):
     base = keep_pattern(monkeypatch, 256, 1, alignment)
@@ -117,9 +125,12 @@ def test_where_it_does_not_build_the_torch_ops_blocks_serve_and_say_why(monkeypa
 
 
 SHAPES = [  # (B, H, Hkv, L, S, E, Ev): B * Hkv = 1 (the row blocks of one kv head dealt out to
-    # two threads, dK, dV summed from per-thread copies), GQA 4/2, L != S, E != Ev
+    # two threads, dK, dV summed from per-thread copies), GQA 4/2, L != S, E != Ev; 20 groups
+    # (batch row, kv head): with whole rows per block, several groups per block (batched
+    # products), 4 per block on 2 threads (the last block takes what is left)
     (1, 4, 1, 37, 29, 8, 8),
     (2, 4, 2, 23, 31, 16, 8),
+    (5, 8, 4, 11, 9, 8, 4),
 ]
 
 
@@ -127,12 +138,14 @@ SHAPES = [  # (B, H, Hkv, L, S, E, Ev): B * Hkv = 1 (the row blocks of one kv he
 @pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
 @pytest.mark.parametrize("alignment", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [5, 256], ids=["rows-of-5", "whole-rows"])
 def test_float32_gradients_within_twice_the_control_error(
-    monkeypatch, shape, mask_kind, alignment, threads
+    monkeypatch, shape, mask_kind, alignment, threads, rows
 ):
     """Forward and gradients in float32 against float64: error <= 2x the readable formula's in
-    float32 (+ 1e-6), for several row blocks (rows of 5) on one and two threads."""
-    monkeypatch.setattr(cf, "BLOCK_ROWS", 5)
+    float32 (+ 1e-6), for several row blocks (rows of 5) or whole rows (and then several groups
+    per block), on one and two threads."""
+    monkeypatch.setattr(cf, "BLOCK_ROWS", rows)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     B, H, Hkv, L, S, E, Ev = shape
     g = torch.Generator().manual_seed(3)

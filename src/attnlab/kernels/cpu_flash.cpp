@@ -155,15 +155,23 @@ inline int64_t block_keys(const Params& p, int64_t r1) {
   return p.causal ? std::min<int64_t>(p.S, r1 + p.offset) : p.S;
 }
 
-// The query (or output gradient) rows r0:r1 of the G heads of x5[b, j] as one (G*R, X) matrix:
-// a view for G = 1, else a copy into buf.
-Tensor gather_rows(const Tensor& x5, int64_t b, int64_t j, int64_t r0, int64_t R, Tensor buf) {
-  Tensor x = x5.select(0, b).select(0, j).narrow(1, r0, R);  // (G, R, X)
-  const int64_t G = x.size(0), X = x.size(2);
-  if (G == 1) return x.select(0, 0);
-  Tensor out = buf.narrow(0, 0, G * R * X).view({G, R, X});
-  out.copy_(x);
-  return out.view({G * R, X});
+// Rows r0:r1 of the G heads of groups g0:g0+nb of x3 (B*Hkv, G*L, X) as (nb, G*R, X): a view
+// when the block holds every row (R = L) or one head, else a copy into buf.
+Tensor gather_rows(const Tensor& x3, int64_t G, int64_t g0, int64_t nb, int64_t r0, int64_t R,
+                   Tensor buf) {
+  const int64_t L = x3.size(1) / G, X = x3.size(2);
+  Tensor x = x3.narrow(0, g0, nb);
+  if (R == L) return x;
+  if (G == 1) return x.narrow(1, r0, R);
+  Tensor out = buf.narrow(0, 0, nb * G * R * X).view({nb, G, R, X});
+  out.copy_(x.view({nb, G, L, X}).narrow(2, r0, R));
+  return out.view({nb, G * R, X});
+}
+
+// Rows r0:r1 of the G heads of groups g0:g0+nb of x3 (B*Hkv, G*L, X), as (nb, G, R, X).
+inline Tensor rows_of(const Tensor& x3, int64_t G, int64_t g0, int64_t nb, int64_t r0,
+                      int64_t R) {
+  return x3.narrow(0, g0, nb).view({nb, G, x3.size(1) / G, x3.size(2)}).narrow(2, r0, R);
 }
 
 // Runs work(task, scratch) for tasks 0:n on at most `threads` threads, each taking the next task.
@@ -185,35 +193,42 @@ inline Tensor buffer(Slot& slot, int64_t numel, at::ScalarType dtype) {
   return at::from_blob(slot.get(bytes), {numel}, at::TensorOptions(dtype));
 }
 
+// The 3-D view (n, a, b) of the first n*a*b elements of a buffer.
+inline Tensor view3(const Tensor& buf, int64_t n, int64_t a, int64_t b) {
+  return buf.narrow(0, 0, n * a * b).view({n, a, b});
+}
+
+// A block: query rows r0:r1 of the G heads of the nb groups (batch row, kv head) g0:g0+nb,
+// against keys 0:N. q3 (B*Hkv, G*L, E), k3 (B*Hkv, S, E), v3 (B*Hkv, S, Ev), out3 like q3.
 template <typename mm_t>
-void forward_block(const Params& p, const Tensor& q5, const Tensor& k, const Tensor& v,
-                   Tensor& out5, float* stats, int64_t b, int64_t j, int64_t r0, int64_t r1,
+void forward_block(const Params& p, const Tensor& q3, const Tensor& k3, const Tensor& v3,
+                   Tensor& out3, float* stats, int64_t g0, int64_t nb, int64_t r0, int64_t r1,
                    Scratch& sc) {
   const int64_t G = p.G, R = r1 - r0, M = G * R, N = block_keys(p, r1);
-  const auto mm = q5.scalar_type();
+  const auto mm = q3.scalar_type();
   if (N <= 0) {  // every row before the first key: dead (stats were set so)
-    out5.select(0, b).select(0, j).narrow(1, r0, R).zero_();
+    rows_of(out3, G, g0, nb, r0, R).zero_();
     return;
   }
-  Tensor qb = gather_rows(q5, b, j, r0, R, buffer(sc.q, M * p.E, mm));
-  Tensor s = buffer(sc.s, M * N, mm).narrow(0, 0, M * N).view({M, N});
-  at::mm_out(s, qb, k.select(0, b).select(0, j).narrow(0, 0, N).t());
-  Tensor pm = buffer(sc.pm, M * N, mm).narrow(0, 0, M * N).view({M, N});
+  Tensor qb = gather_rows(q3, G, g0, nb, r0, R, buffer(sc.q, nb * M * p.E, mm));
+  Tensor s = view3(buffer(sc.s, nb * M * N, mm), nb, M, N);
+  at::bmm_out(s, qb, k3.narrow(0, g0, nb).narrow(1, 0, N).transpose(1, 2));
+  Tensor pm = view3(buffer(sc.pm, nb * M * N, mm), nb, M, N);
   float* t = buffer(sc.t, p.S, at::kFloat).data_ptr<float>();
   float* keep = p.dropout ? buffer(sc.keep, p.S, at::kFloat).data_ptr<float>() : nullptr;
-  uint64_t* words =
-      p.dropout ? reinterpret_cast<uint64_t*>(buffer(sc.words, p.S + 8, at::kLong).data_ptr<int64_t>())
-                : nullptr;
+  uint64_t* words = p.dropout ? reinterpret_cast<uint64_t*>(
+                                    buffer(sc.words, p.S / 2 + 8, at::kLong).data_ptr<int64_t>())
+                              : nullptr;
   const mm_t* s_ptr = s.data_ptr<mm_t>();
   mm_t* p_ptr = pm.data_ptr<mm_t>();
-  for (int64_t r = 0; r < M; ++r) {
-    const int64_t g = r / R, i = r0 + r % R;
-    const int64_t n = row_scores<mm_t>(p, s_ptr + r * N, t, N, b, j, g, i);
+  for (int64_t r = 0; r < nb * M; ++r) {
+    const int64_t gi = g0 + r / M, g = (r % M) / R, i = r0 + r % R;
+    const int64_t row = (gi * G + g) * p.L + i;  // in (B, H, L): h = j G + g
+    const int64_t n = row_scores<mm_t>(p, s_ptr + r * N, t, N, gi / p.Hkv, gi % p.Hkv, g, i);
     mm_t* prow = p_ptr + r * N;
     float m = -kInf;
 #pragma omp simd reduction(max : m)
     for (int64_t c = 0; c < n; ++c) m = t[c] > m ? t[c] : m;
-    float* st = stats + (((b * p.Hkv + j) * G + g) * p.L + i) * 2;
     if (m == -kInf) {  // no visible key
       std::fill(prow, prow + N, static_cast<mm_t>(0.f));
       continue;  // stats stay (+inf, 0)
@@ -227,62 +242,72 @@ void forward_block(const Params& p, const Tensor& q5, const Tensor& k, const Ten
     }
     const float norm = 1.f / total;
     if (p.dropout) {
-      keep_row(p, ((b * p.H) + j * G + g) * p.L + i, n, words, keep);
+      keep_row(p, row, n, words, keep);
       for (int64_t c = 0; c < n; ++c) prow[c] = static_cast<mm_t>(t[c] * norm * keep[c]);
     } else {
       for (int64_t c = 0; c < n; ++c) prow[c] = static_cast<mm_t>(t[c] * norm);
     }
     std::fill(prow + n, prow + N, static_cast<mm_t>(0.f));
-    st[0] = m;
-    st[1] = std::log(total);
+    stats[row * 2] = m;
+    stats[row * 2 + 1] = std::log(total);
   }
-  Tensor o = buffer(sc.o, M * p.Ev, mm).narrow(0, 0, M * p.Ev).view({M, p.Ev});
-  at::mm_out(o, pm, v.select(0, b).select(0, j).narrow(0, 0, N));
-  out5.select(0, b).select(0, j).narrow(1, r0, R).copy_(o.view({G, R, p.Ev}));
+  Tensor vb = v3.narrow(0, g0, nb).narrow(1, 0, N);
+  if (R == p.L) {  // the block's output rows are contiguous in out3
+    Tensor o = out3.narrow(0, g0, nb);
+    at::bmm_out(o, pm, vb);
+  } else {
+    Tensor o = view3(buffer(sc.o, nb * M * p.Ev, mm), nb, M, p.Ev);
+    at::bmm_out(o, pm, vb);
+    rows_of(out3, G, g0, nb, r0, R).copy_(o.view({nb, G, R, p.Ev}));
+  }
 }
 
+// dQ of groups g0:g0+nb, and their dK, dV summed over row blocks first, first + stride, ...
+// into dk3, dv3 (float32, (B*Hkv, S, E), (B*Hkv, S, Ev)).
 template <typename mm_t>
-void backward_group(const Params& p, const Tensor& do5, const Tensor& q5, const Tensor& k,
-                    const Tensor& v, const float* stats, Tensor& dq5, Tensor& dk, Tensor& dv,
-                    int64_t b, int64_t j, int64_t first, int64_t stride, Scratch& sc) {
+void backward_group(const Params& p, const Tensor& do3, const Tensor& q3, const Tensor& k3,
+                    const Tensor& v3, const float* stats, Tensor& dq3, Tensor& dk3, Tensor& dv3,
+                    int64_t g0, int64_t nb, int64_t first, int64_t stride, Scratch& sc) {
   const int64_t G = p.G;
-  const auto mm = q5.scalar_type();
+  const auto mm = q3.scalar_type();
   const bool wide = mm != at::kFloat;  // 16-bit products
   const int64_t blocks = (p.L + p.rows - 1) / p.rows;
   // 16-bit products and one row block: dK and dV are one 16-bit GEMM each (rounded once);
   // with more blocks they accumulate in float32 from float32 operands
   const bool once = wide && blocks == 1;
-  Tensor kj = k.select(0, b).select(0, j), vj = v.select(0, b).select(0, j);
-  Tensor dkj = dk.select(0, b).select(0, j), dvj = dv.select(0, b).select(0, j);
+  Tensor kg = k3.narrow(0, g0, nb), vg = v3.narrow(0, g0, nb);
+  Tensor dkg = dk3.narrow(0, g0, nb), dvg = dv3.narrow(0, g0, nb);
   for (int64_t r0 = first * p.rows; r0 < p.L; r0 += stride * p.rows) {
     const int64_t r1 = std::min(p.L, r0 + p.rows), R = r1 - r0, M = G * R;
     const int64_t N = block_keys(p, r1);
-    Tensor dqb5 = dq5.select(0, b).select(0, j).narrow(1, r0, R);  // (G, R, E)
+    Tensor dqb4 = rows_of(dq3, G, g0, nb, r0, R);  // (nb, G, R, E)
     if (N <= 0) {
-      dqb5.zero_();
+      dqb4.zero_();
       continue;
     }
-    Tensor qb = gather_rows(q5, b, j, r0, R, buffer(sc.q, M * p.E, mm));
-    Tensor dob = gather_rows(do5, b, j, r0, R, buffer(sc.o, M * p.Ev, mm));
-    Tensor s = buffer(sc.s, M * N, mm).narrow(0, 0, M * N).view({M, N});
-    at::mm_out(s, qb, kj.narrow(0, 0, N).t());
-    Tensor pf = buffer(sc.pf, M * N, at::kFloat).narrow(0, 0, M * N).view({M, N});
-    Tensor w = p.dropout ? buffer(sc.w, M * N, at::kFloat).narrow(0, 0, M * N).view({M, N}) : pf;
+    Tensor qb = gather_rows(q3, G, g0, nb, r0, R, buffer(sc.q, nb * M * p.E, mm));
+    Tensor dob = gather_rows(do3, G, g0, nb, r0, R, buffer(sc.o, nb * M * p.Ev, mm));
+    Tensor kb = kg.narrow(1, 0, N), vb = vg.narrow(1, 0, N);  // (nb, N, E), (nb, N, Ev)
+    Tensor s = view3(buffer(sc.s, nb * M * N, mm), nb, M, N);
+    at::bmm_out(s, qb, kb.transpose(1, 2));
+    Tensor pf = view3(buffer(sc.pf, nb * M * N, at::kFloat), nb, M, N);
+    Tensor w = p.dropout ? view3(buffer(sc.w, nb * M * N, at::kFloat), nb, M, N) : pf;
     float* t = buffer(sc.t, p.S, at::kFloat).data_ptr<float>();
     float* keep = p.dropout ? buffer(sc.keep, p.S, at::kFloat).data_ptr<float>() : nullptr;
     uint64_t* words = p.dropout ? reinterpret_cast<uint64_t*>(
-                                      buffer(sc.words, p.S + 8, at::kLong).data_ptr<int64_t>())
+                                      buffer(sc.words, p.S / 2 + 8, at::kLong).data_ptr<int64_t>())
                                 : nullptr;
     // 16-bit products: W and dS are also written in 16 bits, in the passes that make them
-    Tensor w_mm = wide ? buffer(sc.dsm, M * N, mm).narrow(0, 0, M * N).view({M, N}) : w;
+    Tensor w_mm = wide ? view3(buffer(sc.dsm, nb * M * N, mm), nb, M, N) : w;
     const mm_t* s_ptr = s.data_ptr<mm_t>();
     float* p_ptr = pf.data_ptr<float>();
     float* w_ptr = w.data_ptr<float>();
     mm_t* wm_ptr = wide ? w_mm.data_ptr<mm_t>() : nullptr;
-    std::vector<int64_t> visible(M, 0);
-    for (int64_t r = 0; r < M; ++r) {  // P and W = P Z / rho, recomputed
-      const int64_t g = r / R, i = r0 + r % R;
-      const float* st = stats + (((b * p.Hkv + j) * G + g) * p.L + i) * 2;
+    std::vector<int64_t> visible(nb * M, 0);
+    for (int64_t r = 0; r < nb * M; ++r) {  // P and W = P Z / rho, recomputed
+      const int64_t gi = g0 + r / M, g = (r % M) / R, i = r0 + r % R;
+      const int64_t row = (gi * G + g) * p.L + i;
+      const float* st = stats + row * 2;
       float* prow = p_ptr + r * N;
       float* wrow = w_ptr + r * N;
       if (!(st[0] < kInf)) {  // a dead row
@@ -291,13 +316,13 @@ void backward_group(const Params& p, const Tensor& do5, const Tensor& q5, const 
         if (wide) std::fill(wm_ptr + r * N, wm_ptr + (r + 1) * N, static_cast<mm_t>(0.f));
         continue;
       }
-      const int64_t n = row_scores<mm_t>(p, s_ptr + r * N, t, N, b, j, g, i);
+      const int64_t n = row_scores<mm_t>(p, s_ptr + r * N, t, N, gi / p.Hkv, gi % p.Hkv, g, i);
       visible[r] = n;
       const float m = st[0], inv_total = std::exp(-st[1]);
       for (int64_t c = 0; c < n; ++c) prow[c] = exp2_nonpositive((t[c] - m) * kLog2e) * inv_total;
       std::fill(prow + n, prow + N, 0.f);
       if (p.dropout) {
-        keep_row(p, ((b * p.H) + j * G + g) * p.L + i, n, words, keep);
+        keep_row(p, row, n, words, keep);
         for (int64_t c = 0; c < n; ++c) wrow[c] = prow[c] * keep[c];
         std::fill(wrow + n, wrow + N, 0.f);
       }
@@ -306,18 +331,18 @@ void backward_group(const Params& p, const Tensor& do5, const Tensor& q5, const 
         for (int64_t c = 0; c < N; ++c) wmrow[c] = static_cast<mm_t>(wrow[c]);
       }
     }
-    Tensor dvb = dvj.narrow(0, 0, N);
+    Tensor dvb = dvg.narrow(1, 0, N);  // (nb, N, Ev)
     if (once) {
-      dvb.add_(at::mm(w_mm.t(), dob));
+      dvb.add_(at::bmm(w_mm.transpose(1, 2), dob));
     } else if (wide) {
-      dvb.addmm_(w.t(), dob.to(at::kFloat));
+      dvb.baddbmm_(w.transpose(1, 2), dob.to(at::kFloat));
     } else {
-      dvb.addmm_(w.t(), dob);
+      dvb.baddbmm_(w.transpose(1, 2), dob);
     }
-    Tensor dp = buffer(sc.dp, M * N, mm).narrow(0, 0, M * N).view({M, N});
-    at::mm_out(dp, dob, vj.narrow(0, 0, N).t());
+    Tensor dp = view3(buffer(sc.dp, nb * M * N, mm), nb, M, N);
+    at::bmm_out(dp, dob, vb.transpose(1, 2));
     const mm_t* dp_ptr = dp.data_ptr<mm_t>();
-    for (int64_t r = 0; r < M; ++r) {  // dS = W dP - P D, in place of W
+    for (int64_t r = 0; r < nb * M; ++r) {  // dS = W dP - P D, in place of W
       const int64_t n = visible[r];
       const mm_t* dprow = dp_ptr + r * N;
       float* wrow = w_ptr + r * N;
@@ -331,17 +356,17 @@ void backward_group(const Params& p, const Tensor& do5, const Tensor& q5, const 
         for (int64_t c = 0; c < N; ++c) dsrow[c] = static_cast<mm_t>(wrow[c]);
       }
     }
-    Tensor ds = w;  // (M, N) float32
+    Tensor ds = w;  // (nb, M, N) float32
     Tensor ds_mm = w_mm;  // (in 16 bits, with 16-bit products)
-    Tensor dqb = at::mm(ds_mm, kj.narrow(0, 0, N));  // (M, E)
-    dqb5.copy_(dqb.view({G, R, p.E})).mul_(p.scale);
-    Tensor dkb = dkj.narrow(0, 0, N);
+    Tensor dqb = at::bmm(ds_mm, kb);  // (nb, M, E)
+    dqb4.copy_(dqb.view({nb, G, R, p.E})).mul_(p.scale);
+    Tensor dkb = dkg.narrow(1, 0, N);
     if (once) {
-      dkb.add_(at::mm(ds_mm.t(), qb), p.scale);
+      dkb.add_(at::bmm(ds_mm.transpose(1, 2), qb), p.scale);
     } else if (wide) {
-      dkb.addmm_(ds.t(), qb.to(at::kFloat), 1.0, p.scale);
+      dkb.baddbmm_(ds.transpose(1, 2), qb.to(at::kFloat), 1.0, p.scale);
     } else {
-      dkb.addmm_(ds.t(), qb, 1.0, p.scale);
+      dkb.baddbmm_(ds.transpose(1, 2), qb, 1.0, p.scale);
     }
   }
 }
@@ -381,85 +406,101 @@ Params make_params(const Tensor& q5, const Tensor& k, const Tensor& v,
   return p;
 }
 
+// Groups per block: several (batch row, kv head) groups only when a block holds every row.
+inline int64_t groups_per_block(const Params& p, int64_t per_block) {
+  return p.rows < p.L ? 1 : std::max<int64_t>(1, std::min(per_block, p.B * p.Hkv));
+}
+
 std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
                             const c10::optional<Tensor>& mask, bool causal, int64_t offset,
-                            double scale, int64_t rows, int64_t width, int64_t dropped,
-                            double keep, int64_t seed, int64_t threads) {
+                            double scale, int64_t rows, int64_t per_block, int64_t width,
+                            int64_t dropped, double keep, int64_t seed, int64_t threads) {
   Params p = make_params(q5, k, v, mask, offset, causal, scale, rows, width, dropped, keep, seed);
-  Tensor out5 = at::empty({p.B, p.Hkv, p.G, p.L, p.Ev}, q5.options());
+  const int64_t groups = p.B * p.Hkv;
+  // (a copy only where the heads are not laid out as (B*Hkv, G*L, E): views of projections)
+  Tensor q3 = q5.reshape({groups, p.G * p.L, p.E});
+  Tensor k3 = k.reshape({groups, p.S, p.E}), v3 = v.reshape({groups, p.S, p.Ev});
+  Tensor out3 = at::empty({groups, p.G * p.L, p.Ev}, q5.options());
   Tensor stats = at::zeros({p.B, p.Hkv, p.G, p.L, 2}, q5.options().dtype(at::kFloat));
   stats.select(4, 0).fill_(kInf);
   float* st = stats.data_ptr<float>();
+  const int64_t nb = groups_per_block(p, per_block), chunks = (groups + nb - 1) / nb;
   const int64_t row_blocks = (p.L + p.rows - 1) / p.rows;
-  const int64_t n = p.B * p.Hkv * row_blocks;
+  const int64_t n = chunks * row_blocks;
   AT_DISPATCH_SWITCH(q5.scalar_type(), "attnlab_flash_forward",
     AT_DISPATCH_CASE(at::kFloat, [&] {
       run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
-        const int64_t rb = task % row_blocks, bj = task / row_blocks;
-        const int64_t r0 = rb * p.rows;
-        forward_block<float>(p, q5, k, v, out5, st, bj / p.Hkv, bj % p.Hkv, r0,
+        const int64_t g0 = (task / row_blocks) * nb, r0 = (task % row_blocks) * p.rows;
+        forward_block<float>(p, q3, k3, v3, out3, st, g0, std::min(nb, groups - g0), r0,
                              std::min(p.L, r0 + p.rows), sc);
       });
     })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
-        const int64_t rb = task % row_blocks, bj = task / row_blocks;
-        const int64_t r0 = rb * p.rows;
-        forward_block<at::BFloat16>(p, q5, k, v, out5, st, bj / p.Hkv, bj % p.Hkv, r0,
-                                    std::min(p.L, r0 + p.rows), sc);
+        const int64_t g0 = (task / row_blocks) * nb, r0 = (task % row_blocks) * p.rows;
+        forward_block<at::BFloat16>(p, q3, k3, v3, out3, st, g0, std::min(nb, groups - g0),
+                                    r0, std::min(p.L, r0 + p.rows), sc);
       });
     }));
-  return {out5, stats};
+  return {out3.view({p.B, p.Hkv, p.G, p.L, p.Ev}), stats};
 }
 
 std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& k,
                              const Tensor& v, const Tensor& stats,
                              const c10::optional<Tensor>& mask, bool causal, int64_t offset,
-                             double scale, int64_t rows, int64_t width, int64_t dropped,
-                             double keep, int64_t seed, int64_t threads) {
+                             double scale, int64_t rows, int64_t per_block, int64_t width,
+                             int64_t dropped, double keep, int64_t seed, int64_t threads) {
   Params p = make_params(q5, k, v, mask, offset, causal, scale, rows, width, dropped, keep, seed);
   TORCH_CHECK(stats.is_contiguous() && stats.scalar_type() == at::kFloat, "stats float32");
-  auto f32 = q5.options().dtype(at::kFloat);
-  Tensor dq5 = at::empty({p.B, p.Hkv, p.G, p.L, p.E}, f32);
-  Tensor dk = at::zeros({p.B, p.Hkv, p.S, p.E}, f32);
-  Tensor dv = at::zeros({p.B, p.Hkv, p.S, p.Ev}, f32);
-  const float* st = stats.data_ptr<float>();
   const int64_t groups = p.B * p.Hkv;
-  // Fewer kv heads (x batch rows) than threads: each group's row blocks are dealt out to
+  Tensor q3 = q5.reshape({groups, p.G * p.L, p.E}), do3 = do5.reshape({groups, p.G * p.L, p.Ev});
+  Tensor k3 = k.reshape({groups, p.S, p.E}), v3 = v.reshape({groups, p.S, p.Ev});
+  auto f32 = q5.options().dtype(at::kFloat);
+  Tensor dq3 = at::empty({groups, p.G * p.L, p.E}, f32);
+  Tensor dk3 = at::zeros({groups, p.S, p.E}, f32);
+  Tensor dv3 = at::zeros({groups, p.S, p.Ev}, f32);
+  const float* st = stats.data_ptr<float>();
+  // Fewer groups (batch row, kv head) than threads: each group's row blocks are dealt out to
   // `parts` tasks, each summing dK, dV into a float32 copy of its own, added up at the end
   // (deterministic: a task's blocks and the final sum run in a fixed order).
   const int64_t parts = groups < threads ? std::min<int64_t>(threads, p.L) : 1;
-  Tensor dk_parts = dk, dv_parts = dv;
+  Tensor dk_parts = dk3, dv_parts = dv3;
   if (parts > 1) {
     p.rows = std::max<int64_t>(1, std::min(p.rows, (p.L + 2 * parts - 1) / (2 * parts)));
-    dk_parts = at::zeros({parts, p.B, p.Hkv, p.S, p.E}, f32);
-    dv_parts = at::zeros({parts, p.B, p.Hkv, p.S, p.Ev}, f32);
+    dk_parts = at::zeros({parts, groups, p.S, p.E}, f32);
+    dv_parts = at::zeros({parts, groups, p.S, p.Ev}, f32);
   }
-  const int64_t n = groups * parts;
+  const int64_t nb = parts > 1 ? 1 : groups_per_block(p, per_block);
+  const int64_t chunks = (groups + nb - 1) / nb, n = chunks * parts;
+  auto task_of = [&](int64_t task, Tensor& dk_t, Tensor& dv_t) {
+    const int64_t part = task % parts;
+    dk_t = parts > 1 ? dk_parts.select(0, part) : dk3;
+    dv_t = parts > 1 ? dv_parts.select(0, part) : dv3;
+    return part;
+  };
   AT_DISPATCH_SWITCH(q5.scalar_type(), "attnlab_flash_backward",
     AT_DISPATCH_CASE(at::kFloat, [&] {
       run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
-        const int64_t g = task / parts, part = task % parts;
-        Tensor dk_t = parts > 1 ? dk_parts.select(0, part) : dk;
-        Tensor dv_t = parts > 1 ? dv_parts.select(0, part) : dv;
-        backward_group<float>(p, do5, q5, k, v, st, dq5, dk_t, dv_t, g / p.Hkv, g % p.Hkv, part,
-                              parts, sc);
+        Tensor dk_t, dv_t;
+        const int64_t part = task_of(task, dk_t, dv_t), g0 = (task / parts) * nb;
+        backward_group<float>(p, do3, q3, k3, v3, st, dq3, dk_t, dv_t, g0,
+                              std::min(nb, groups - g0), part, parts, sc);
       });
     })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
-        const int64_t g = task / parts, part = task % parts;
-        Tensor dk_t = parts > 1 ? dk_parts.select(0, part) : dk;
-        Tensor dv_t = parts > 1 ? dv_parts.select(0, part) : dv;
-        backward_group<at::BFloat16>(p, do5, q5, k, v, st, dq5, dk_t, dv_t, g / p.Hkv,
-                                     g % p.Hkv, part, parts, sc);
+        Tensor dk_t, dv_t;
+        const int64_t part = task_of(task, dk_t, dv_t), g0 = (task / parts) * nb;
+        backward_group<at::BFloat16>(p, do3, q3, k3, v3, st, dq3, dk_t, dv_t, g0,
+                                     std::min(nb, groups - g0), part, parts, sc);
       });
     }));
   if (parts > 1) {
-    dk = dk_parts.sum(0);
-    dv = dv_parts.sum(0);
+    dk3 = dk_parts.sum(0);
+    dv3 = dv_parts.sum(0);
   }
-  return {dq5, dk, dv};
+  return {dq3.view({p.B, p.Hkv, p.G, p.L, p.E}), dk3.view({p.B, p.Hkv, p.S, p.E}),
+          dv3.view({p.B, p.Hkv, p.S, p.Ev})};
 }
 
 }  // namespace

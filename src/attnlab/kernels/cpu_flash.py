@@ -125,11 +125,11 @@ def describe(q, k, v, alignment) -> str:
     if plan.native() is not None:
         if cpu_flash_native.threads() != torch.get_num_threads():
             threads = "1 (a forked child: OpenMP's threads do not survive fork)"
-        rows = plan.native_args()[4]
+        rows, groups = plan.native_args()[4:6]
         return (
-            f"blocked CPU kernel (C++, cpu_flash.cpp): {plan.G}*{rows} query rows of one kv "
-            f"head x every visible key per block, {products} products, {threads} thread(s); "
-            "saves the row log-sum-exp, not the weights"
+            f"blocked CPU kernel (C++, cpu_flash.cpp): {plan.G}*{rows} query rows of "
+            f"{groups} kv head(s) x every visible key per block, {products} products, "
+            f"{threads} thread(s); saves the row log-sum-exp, not the weights"
         )
     why = "float64" if plan.mm_dtype == torch.float64 else cpu_flash_native.unavailable()
     return (
@@ -264,10 +264,15 @@ class _Plan:
         rows = self.rows
         if rows != self.L:
             rows = max(1, min(self.L, BLOCK_ROWS, BLOCK_BYTES // (self.G * self.S * 4)))
+        threads = cpu_flash_native.threads()
+        groups = 1  # (batch row, kv head) groups per block: short sequences take several, in
+        if rows == self.L:  # batched products, while their scores fit and each thread gets ~3
+            fit = BLOCK_BYTES // (self.G * self.L * self.S * 4)
+            groups = max(1, min(fit, -(-self.B * self.Hkv // (3 * threads))))
         causal = self.offset is not None
         return (
-            mask, causal, self.offset if causal else 0, self.scale, rows, self.width,
-            self.dropped if self.p > 0 else 0, self.keep, self.seed, cpu_flash_native.threads(),
+            mask, causal, self.offset if causal else 0, self.scale, rows, groups, self.width,
+            self.dropped if self.p > 0 else 0, self.keep, self.seed, threads,
         )  # fmt: skip
 
     def load(self, q, k, v):
