@@ -201,3 +201,48 @@ def test_float32_dropout_gradients_use_the_forward_mask(monkeypatch, threads):
     want = torch.autograd.grad(ref, (q, k, v), up)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_inference_mode_on_several_threads(monkeypatch):
+    """Before: the output, made under the caller's inference mode, was written by the pool's
+    threads outside it: "Inplace update to inference tensor outside InferenceMode"."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    q, k, v = inputs(2, 4, 2, 300, 300, 16, 16)  # 2 row blocks x 4 groups: both threads work
+    want = flash_attention(q, k, v, None, "top_left", 0.25, 0.0)
+    with torch.inference_mode():
+        got = flash_attention(q, k, v, None, "top_left", 0.25, 0.0)
+        torch.manual_seed(0)
+        dropped = flash_attention(q, k, v, None, None, 0.25, 0.1)
+    assert torch.equal(got, want) and dropped.isfinite().all()
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_torch_func_grad_takes_the_torch_ops_blocks(monkeypatch, p):
+    """Before: under torch.func.grad the backward handed C++ wrapped tensors without storage (a
+    RuntimeError); the torch-ops blocks serve there, and explain() says why."""
+    q, k, v = inputs(1, 4, 2, 9, 7, 8, 8, seed=2)
+
+    def loss(q):
+        torch.manual_seed(5)  # the same dropout draws in both
+        return flash_attention(q, k, v, None, "bottom_right", 0.5, p).square().sum()
+
+    got = torch.func.grad(loss)(q)
+    monkeypatch.setattr(cpu_flash_native, "module", lambda: None)  # the torch-ops blocks
+    leaf = q.clone().requires_grad_()
+    (want,) = torch.autograd.grad(loss(leaf), leaf)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    seen = []
+    torch.func.grad(lambda q: (seen.append(describe(q, k, v, None)), q.sum())[1])(q)
+    assert "not the C++ one: under torch.func" in seen[0], seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_row_stays_nan(dtype):
+    """A query row of NaN: its output and gradients NaN, as the readable formula's (before: the
+    C++ max passed over the NaN scores, and the row was taken for one with no visible key)."""
+    q, k, v = inputs(1, 2, 1, 6, 5, 4, 4, dtype=dtype, grad=True)
+    q.data[0, 1, 3] = float("nan")
+    out = flash_attention(q, k, v, None, None, 0.5, 0.0)
+    assert out[0, 1, 3].isnan().all() and not out[0, 1, :3].isnan().any()
+    (dq,) = torch.autograd.grad(out, q, torch.ones_like(out))
+    assert dq[0, 1, 3].isnan().all() and not dq[0, 0].isnan().any()

@@ -24,6 +24,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
 #include <atomic>
@@ -38,13 +39,14 @@ namespace {
 using at::Tensor;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 // 2^x for x <= 0 (-inf gives 0, NaN stays NaN): x = n + f with n an integer and |f| <= 1/2,
 // 2^f from its Taylor series to degree 7 (truncation < 2e-8 relative), 2^n in the exponent.
 // Below 2^-126 the result is 0 (a weight under 1e-38 of the row's largest). Written so that
 // loops over it vectorise (no branches, no calls).
 inline float exp2_nonpositive(float x) {
-  float xc = x < -126.f ? -126.f : x;
+  float xc = x >= -126.f ? x : -126.f;  // (NaN -> -126: no NaN reaches the integer cast)
   float n = (xc + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23
   float f = xc - n;
   float p = 1.5252733804059841e-05f;  // ln(2)^7 / 7!
@@ -58,7 +60,7 @@ inline float exp2_nonpositive(float x) {
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
-  return x < -126.f ? 0.f : p * two_n;
+  return x < -126.f ? 0.f : (x == x ? p * two_n : x);
 }
 
 inline uint64_t mix64(uint64_t z) {  // splitmix64's output function
@@ -137,19 +139,40 @@ struct Slot {
   ~Slot() { std::free(data); }
   void* get(size_t n) {
     if (n > bytes) {
-      std::free(data);
-      bytes = (n + 63) / 64 * 64;
-      data = std::aligned_alloc(64, bytes);
-      TORCH_CHECK(data != nullptr, "attnlab cpu_flash: out of memory for a block's scratch");
+      release();
+      const size_t want = (n + 63) / 64 * 64;
+      data = std::aligned_alloc(64, want);
+      TORCH_CHECK(data != nullptr, "attnlab cpu_flash: out of memory for a block's scratch (",
+                  want, " bytes)");
+      bytes = want;  // (only once it is there: a failure leaves the slot empty, not broken)
     }
     return data;
   }
+  void release() {
+    std::free(data);
+    data = nullptr;
+    bytes = 0;
+  }
 };
 
-// Each thread's buffers (thread_local: the pool's threads live between calls).
+// Each thread's buffers (one per thread: the pool's threads live between calls). Kept for the
+// next call up to kKeptBytes in all; a call that needed more gives them back when it is done.
+constexpr size_t kKeptBytes = size_t(64) << 20;
 struct Scratch {
   Slot q, s, pm, o, t, keep, words, pf, w, dp, dsm;
+  void trim() {
+    Slot* slots[] = {&q, &s, &pm, &o, &t, &keep, &words, &pf, &w, &dp, &dsm};
+    size_t total = 0;
+    for (Slot* slot : slots) total += slot->bytes;
+    if (total > kKeptBytes)
+      for (Slot* slot : slots) slot->release();
+  }
 };
+
+Scratch& thread_scratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
 
 inline int64_t block_keys(const Params& p, int64_t r1) {
   return p.causal ? std::min<int64_t>(p.S, r1 + p.offset) : p.S;
@@ -175,15 +198,20 @@ inline Tensor rows_of(const Tensor& x3, int64_t G, int64_t g0, int64_t nb, int64
 }
 
 // Runs work(task, scratch) for tasks 0:n on at most `threads` threads, each taking the next task.
+// The caller's thread-local state (inference mode, grad mode, dispatch keys) goes with the work
+// to the pool's threads: writing into an output made under inference mode is refused elsewhere.
 template <typename F>
 void run_tasks(int64_t n, int64_t threads, F work) {
   std::atomic<int64_t> next{0};
   threads = std::max<int64_t>(1, std::min<int64_t>(threads, n));
+  const at::ThreadLocalState state;
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    thread_local Scratch scratch;
+    at::ThreadLocalStateGuard guard(state);
+    Scratch& scratch = thread_scratch();
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t task = next++; task < n; task = next++) work(task, scratch);
     }
+    scratch.trim();
   });
 }
 
@@ -229,9 +257,12 @@ void forward_block(const Params& p, const Tensor& q3, const Tensor& k3, const Te
     float m = -kInf;
 #pragma omp simd reduction(max : m)
     for (int64_t c = 0; c < n; ++c) m = t[c] > m ? t[c] : m;
-    if (m == -kInf) {  // no visible key
-      std::fill(prow, prow + N, static_cast<mm_t>(0.f));
-      continue;  // stats stay (+inf, 0)
+    if (m == -kInf) {  // no visible key (the max passes over NaN: a NaN row propagates)
+      bool nan = false;
+      for (int64_t c = 0; c < n; ++c) nan |= t[c] != t[c];
+      std::fill(prow, prow + N, static_cast<mm_t>(nan ? kNaN : 0.f));
+      if (nan) stats[row * 2] = kNaN;  // (else they stay (+inf, 0): dead)
+      continue;
     }
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
@@ -310,10 +341,11 @@ void backward_group(const Params& p, const Tensor& do3, const Tensor& q3, const 
       const float* st = stats + row * 2;
       float* prow = p_ptr + r * N;
       float* wrow = w_ptr + r * N;
-      if (!(st[0] < kInf)) {  // a dead row
-        std::fill(prow, prow + N, 0.f);
-        if (p.dropout) std::fill(wrow, wrow + N, 0.f);
-        if (wide) std::fill(wm_ptr + r * N, wm_ptr + (r + 1) * N, static_cast<mm_t>(0.f));
+      if (!(st[0] < kInf)) {  // a dead row: 0; a NaN row (its forward's): NaN
+        const float fill = st[0] != st[0] ? kNaN : 0.f;
+        std::fill(prow, prow + N, fill);
+        if (p.dropout) std::fill(wrow, wrow + N, fill);
+        if (wide) std::fill(wm_ptr + r * N, wm_ptr + (r + 1) * N, static_cast<mm_t>(fill));
         continue;
       }
       const int64_t n = row_scores<mm_t>(p, s_ptr + r * N, t, N, gi / p.Hkv, gi % p.Hkv, g, i);
@@ -463,7 +495,7 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
   // Fewer groups (batch row, kv head) than threads: each group's row blocks are dealt out to
   // `parts` tasks, each summing dK, dV into a float32 copy of its own, added up at the end
   // (deterministic: a task's blocks and the final sum run in a fixed order).
-  const int64_t parts = groups < threads ? std::min<int64_t>(threads, p.L) : 1;
+  const int64_t parts = groups < threads ? std::min<int64_t>((threads + groups - 1) / groups, p.L) : 1;
   Tensor dk_parts = dk3, dv_parts = dv3;
   if (parts > 1) {
     p.rows = std::max<int64_t>(1, std::min(p.rows, (p.L + 2 * parts - 1) / (2 * parts)));
@@ -506,6 +538,9 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "blocked attention forward: (out, stats)");
-  m.def("backward", &backward, "blocked attention backward: (dq, dk, dv)");
+  // (the GIL released: other Python threads run meanwhile)
+  m.def("forward", &forward, "blocked attention forward: (out, stats)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("backward", &backward, "blocked attention backward: (dq, dk, dv)",
+        py::call_guard<py::gil_scoped_release>());
 }

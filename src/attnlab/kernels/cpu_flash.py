@@ -122,7 +122,7 @@ def describe(q, k, v, alignment) -> str:
     products = "bfloat16" if plan.mm_dtype == torch.bfloat16 else "float32"
     # (a trace cannot read the thread count: the graph runs with the caller's)
     threads = "the caller's" if torch.compiler.is_compiling() else torch.get_num_threads()
-    if plan.native() is not None:
+    if plan.native() is not None and not _under_torch_func():
         if cpu_flash_native.threads() != torch.get_num_threads():
             threads = "1 (a forked child: OpenMP's threads do not survive fork)"
         rows, groups = plan.native_args()[4:6]
@@ -131,7 +131,12 @@ def describe(q, k, v, alignment) -> str:
             f"{groups} kv head(s) x every visible key per block, {products} products, "
             f"{threads} thread(s); saves the row log-sum-exp, not the weights"
         )
-    why = "float64" if plan.mm_dtype == torch.float64 else cpu_flash_native.unavailable()
+    if plan.mm_dtype == torch.float64:
+        why = "float64"
+    elif _under_torch_func():
+        why = "under torch.func, whose wrapped tensors C++ cannot read"
+    else:
+        why = cpu_flash_native.unavailable()
     return (
         f"blocked CPU kernel (torch ops; not the C++ one: {why}): {plan.batches} batch row(s) "
         f"x {plan.heads} kv head(s) x {plan.G}*{plan.rows} query rows x every visible key per "
@@ -163,7 +168,9 @@ def flash_attention(q, k, v, mask, alignment, scale, dropout_p, generator=None):
             seed = torch.zeros((), dtype=torch.int64)
         return _flash_op(q, k, v, mask, alignment, scale, dropout_p, seed)[0]
     seed = int(torch.randint(2**62, (), generator=generator)) if dropout_p > 0 else 0
-    return _FlashAttention.apply(q, k, v, mask, alignment, scale, dropout_p, seed)[0]
+    # (decided here, outside the Function: inside it torch.func shows its forward no transform)
+    native_ok = not _under_torch_func()
+    return _FlashAttention.apply(q, k, v, mask, alignment, scale, dropout_p, seed, native_ok)[0]
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -173,23 +180,23 @@ class _FlashAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(q, k, v, mask, alignment, scale, dropout_p, seed):
-        return _forward(q, k, v, mask, alignment, scale, dropout_p, seed)  # out, stats
+    def forward(q, k, v, mask, alignment, scale, dropout_p, seed, native_ok):
+        return _forward(q, k, v, mask, alignment, scale, dropout_p, seed, native_ok)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, mask, alignment, scale, dropout_p, seed = inputs
+        q, k, v, mask, alignment, scale, dropout_p, seed, native_ok = inputs
         out, stats = output
         ctx.mark_non_differentiable(stats)
         ctx.save_for_backward(q, k, v, out, stats, mask)
-        ctx.args = (alignment, scale, dropout_p, seed)
+        ctx.args = (alignment, scale, dropout_p, seed, native_ok)  # (the same implementation)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, dstats):
         q, k, v, out, stats, mask = ctx.saved_tensors
         grads = _backward(dout, q, k, v, out, stats, mask, *ctx.args)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 class _Plan:
@@ -450,6 +457,14 @@ class _Plan:
                 _accumulate(dk_blk, dS.transpose(1, 2), qb)  # += dS^T qb
 
 
+def _under_torch_func() -> bool:
+    """Whether a torch.func transform is active (``grad``: the dispatch lets this kernel serve
+    one): its backward gets wrappers with no storage of their own, which C++ cannot read, so
+    the torch-ops blocks serve the call, forward and backward (decided once, by the caller of
+    the Function: inside its forward the transform is out of sight)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def _accumulate(dst, a, b):
     """dst += a @ b, batched, in place in ``dst`` (a float32 view).
 
@@ -479,14 +494,14 @@ def _mask5(mask, plan):
     return ~mask if mask.dtype == torch.bool else mask
 
 
-def _forward(q, k, v, mask, alignment, scale, dropout_p, seed):
+def _forward(q, k, v, mask, alignment, scale, dropout_p, seed, native_ok=True):
     """(out (B, H, L, Ev), stats (B, H, L, 2)): the blocks of the forward, on the kernel's
     threads; ``stats`` holds each row's max score and the log of its sum of exponentials, in
     the plan's unit (the log-sum-exp is their sum), for the backward only."""
     plan = _Plan(q, k, v, mask, alignment, scale, dropout_p, seed)
     plan.load(q, k, v)
     B, Hkv, G, L = plan.B, plan.Hkv, plan.G, plan.L
-    native = plan.native()
+    native = plan.native() if native_ok else None
     if native is not None:
         with torch.autocast("cpu", enabled=False):
             out, stats = native.forward(plan.q, plan.k, plan.v, *plan.native_args())
@@ -499,7 +514,7 @@ def _forward(q, k, v, mask, alignment, scale, dropout_p, seed):
     return out.view(B, plan.H, L, plan.Ev), stats.view(B, plan.H, L, 2)
 
 
-def _backward(dout, q, k, v, out, stats, mask, alignment, scale, dropout_p, seed):
+def _backward(dout, q, k, v, out, stats, mask, alignment, scale, dropout_p, seed, native_ok=True):
     """(dq, dk, dv): the plan rebuilt from the same arguments (the same blocks, the same
     dropout draws), each block's weights recomputed from the forward's ``stats``."""
     plan = _Plan(q, k, v, mask, alignment, scale, dropout_p, seed)
@@ -508,7 +523,7 @@ def _backward(dout, q, k, v, out, stats, mask, alignment, scale, dropout_p, seed
     acc = plan.dtype
     stats = stats.view(B, Hkv, G, L, 2)
     do = dout.to(plan.mm_dtype).reshape(B, Hkv, G, L, Ev)  # (B, H, L, Ev) -> 5-D
-    native = plan.native()
+    native = plan.native() if native_ok else None
     if native is not None:
         with torch.autocast("cpu", enabled=False):
             dq, dk, dv = native.backward(do, plan.q, plan.k, plan.v, stats, *plan.native_args())

@@ -20,8 +20,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
+import shlex
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +35,8 @@ SOURCE = Path(__file__).with_name("cpu_flash.cpp")
 # thread); the runtime is the libgomp torch ships and has loaded (one runtime, shared)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 
+STALE_LOCK_S = 600.0
+CPU_LINES = ("flags", "Features", "model name", "CPU implementer", "CPU part")
 _lock = threading.Lock()
 _state: dict = {}  # "module" or "why"
 _forked = [False]
@@ -41,7 +46,8 @@ def _after_fork_in_child() -> None:
     _forked[0] = True
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def threads() -> int:
@@ -76,7 +82,7 @@ def _build() -> None:
     if os.environ.get(ENV, "1") == "0":
         _state["why"] = f"{ENV}=0"
         return
-    compiler = os.environ.get("CXX", "c++")
+    compiler = (shlex.split(os.environ.get("CXX", "")) or ["c++"])[0]  # ("ccache g++" too)
     if shutil.which(compiler) is None:
         _state["why"] = f"no C++ compiler ({compiler!r} not found) to build cpu_flash.cpp"
         return
@@ -85,7 +91,9 @@ def _build() -> None:
     try:
         from torch.utils import cpp_extension
 
-        built = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+        _unlock_abandoned(folder)
+        built = folder / f"{name}.so"
         if not built.exists():  # (a pause of a minute deserves a word)
             logging.getLogger("attnlab").warning(
                 "attnlab: building its C++ CPU attention kernel for this machine (once, about a "
@@ -105,6 +113,18 @@ def _build() -> None:
         _state["why"] = f"cpu_flash.cpp did not build ({said[:300]})"
 
 
+def _unlock_abandoned(folder: Path) -> None:
+    """torch's builder holds a lock file while it builds, and every other process waits for it
+    to go; a build killed outright (SIGKILL, out of memory) leaves it for ever. A build takes
+    about a minute: a lock older than ``STALE_LOCK_S`` is an abandoned one."""
+    lock = folder / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 def _ninja_on_path() -> None:
     """torch's builder runs ``ninja`` from PATH; the ninja wheel's binary may sit beside the
     interpreter (a virtual environment that was not activated)."""
@@ -119,11 +139,14 @@ def _ninja_on_path() -> None:
 
 
 def _cpu_tag() -> str:
-    """8 hex digits of this CPU's flags and the source: a build per kind of CPU and version."""
+    """8 hex digits of this CPU's kind (its flags, or features and model), torch's version, the
+    machine and the source: one build per kind of CPU, torch and source (a shared home
+    directory keeps one of each, instead of rebuilding back and forth)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            kind = sorted({line for line in f if line.startswith(CPU_LINES)})
     except OSError:
-        flags = ""
-    digest = hashlib.sha256(flags.encode() + SOURCE.read_bytes() + " ".join(FLAGS).encode())
+        kind = []
+    about = [*kind, torch.__version__, platform.machine(), " ".join(FLAGS)]
+    digest = hashlib.sha256("\n".join(about).encode() + SOURCE.read_bytes())
     return digest.hexdigest()[:8]
