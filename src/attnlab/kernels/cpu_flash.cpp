@@ -11,9 +11,12 @@
 //
 // A block is the query rows r0:r1 of the G heads of one kv head (G*R rows) against every key
 // they can see (0:kmax), so the softmax of a row is exact in one pass and each product is one
-// GEMM (at::mm, single-threaded inside the parallel region). Forward: any thread takes the next
-// block. Backward: a thread owns one kv head of one batch row with all its row blocks, so dK,
-// dV (float32) add up without locks.
+// GEMM (at::bmm, single-threaded inside the parallel region); short sequences put several
+// (batch row, kv head) groups in one block. Forward: any thread takes the next block.
+// Backward: a thread owns a group with all its row blocks, so dK, dV (float32) add up without
+// locks; with fewer groups than threads a group's row blocks are dealt out to several tasks,
+// each with a float32 copy of dK, dV, summed at the end. Results are the same bits on any
+// thread count, except dK, dV in that last case (the same bits for a given thread count).
 //
 // Dropout: the keep mask of row `row` (its index in (B, H, L)) is a function of (seed, row,
 // column) alone -- splitmix64's stream from a per-row key, 64 bits giving four 16-bit or two
