@@ -3,14 +3,14 @@
 :mod:`attnlab.kernels.cpu_flash` computes each block with ~20 torch ops, each a pass over the
 block's scores: Python and the passes cost it 1.3-1.8x torch's own fused kernel. The C++ file
 is the same algorithm with each row's passes fused into loops over one row in cache (the
-products stay ``at::mm``: oneDNN/MKL, AMX in bfloat16), and the blocks spread over torch's
+products stay ``at::bmm``: oneDNN/MKL, AMX in bfloat16), and the blocks spread over torch's
 threads with one parallel region per call.
 
 Build: :func:`module` compiles it with ``torch.utils.cpp_extension.load`` the first time a
 process needs it (~1 minute on 2 cores, once per machine: torch caches the build under
 ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), for this CPU
-(``-march=native``; the build's name carries the CPU's flags, so a shared home directory keeps
-one build per kind of CPU). Where it cannot be built (no C++ compiler), or with
+(``-march=native``; the build's name carries the CPU's kind and torch's version, so a shared
+home directory keeps one build of each). Where it cannot be built (no C++ compiler), or with
 ``ATTNLAB_CPU_NATIVE=0``, :func:`module` returns None and says why (:func:`unavailable`):
 the torch-ops kernel serves, with the same results to rounding.
 """
