@@ -74,15 +74,13 @@ def flash(q, k, v, dropout_p=0.0):
 
 def flash_torch_ops(q, k, v, dropout_p=0.0):
     """The blocked kernel's torch-ops implementation (where the C++ one does not build)."""
-    built = cpu_flash_native._state.pop("module", None)
-    cpu_flash_native._state["why"] = "benchmark"
+    built = cpu_flash_native.module
+    cpu_flash_native.module = lambda: None
     try:
         out = flash(q, k, v, dropout_p)
         out.backward(torch.ones_like(out))
     finally:
-        cpu_flash_native._state.pop("why")
-        if built is not None:
-            cpu_flash_native._state["module"] = built
+        cpu_flash_native.module = built
 
 
 def torch_sdpa(q, k, v, dropout_p=0.0):

@@ -441,6 +441,18 @@ Params make_params(const Tensor& q5, const Tensor& k, const Tensor& v,
   return p;
 }
 
+// f(mm_t{}) for the products' dtype: float or bfloat16 (the Python side widens the others).
+template <typename F>
+void for_products(at::ScalarType dtype, F f) {
+  if (dtype == at::kFloat) {
+    f(float{});
+  } else {
+    TORCH_CHECK(dtype == at::kBFloat16, "attnlab cpu_flash: float32 or bfloat16 products, got ",
+                dtype);
+    f(at::BFloat16{});
+  }
+}
+
 // Groups per block: several (batch row, kv head) groups only when a block holds every row.
 inline int64_t groups_per_block(const Params& p, int64_t per_block) {
   return p.rows < p.L ? 1 : std::max<int64_t>(1, std::min(per_block, p.B * p.Hkv));
@@ -462,21 +474,14 @@ std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
   const int64_t nb = groups_per_block(p, per_block), chunks = (groups + nb - 1) / nb;
   const int64_t row_blocks = (p.L + p.rows - 1) / p.rows;
   const int64_t n = chunks * row_blocks;
-  AT_DISPATCH_SWITCH(q5.scalar_type(), "attnlab_flash_forward",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
-        const int64_t g0 = (task / row_blocks) * nb, r0 = (task % row_blocks) * p.rows;
-        forward_block<float>(p, q3, k3, v3, out3, st, g0, std::min(nb, groups - g0), r0,
-                             std::min(p.L, r0 + p.rows), sc);
-      });
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
-        const int64_t g0 = (task / row_blocks) * nb, r0 = (task % row_blocks) * p.rows;
-        forward_block<at::BFloat16>(p, q3, k3, v3, out3, st, g0, std::min(nb, groups - g0),
-                                    r0, std::min(p.L, r0 + p.rows), sc);
-      });
-    }));
+  for_products(q5.scalar_type(), [&](auto zero) {
+    using mm_t = decltype(zero);
+    run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
+      const int64_t g0 = (task / row_blocks) * nb, r0 = (task % row_blocks) * p.rows;
+      forward_block<mm_t>(p, q3, k3, v3, out3, st, g0, std::min(nb, groups - g0), r0,
+                          std::min(p.L, r0 + p.rows), sc);
+    });
+  });
   return {out3.view({p.B, p.Hkv, p.G, p.L, p.Ev}), stats};
 }
 
@@ -507,29 +512,16 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
   }
   const int64_t nb = parts > 1 ? 1 : groups_per_block(p, per_block);
   const int64_t chunks = (groups + nb - 1) / nb, n = chunks * parts;
-  auto task_of = [&](int64_t task, Tensor& dk_t, Tensor& dv_t) {
-    const int64_t part = task % parts;
-    dk_t = parts > 1 ? dk_parts.select(0, part) : dk3;
-    dv_t = parts > 1 ? dv_parts.select(0, part) : dv3;
-    return part;
-  };
-  AT_DISPATCH_SWITCH(q5.scalar_type(), "attnlab_flash_backward",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
-        Tensor dk_t, dv_t;
-        const int64_t part = task_of(task, dk_t, dv_t), g0 = (task / parts) * nb;
-        backward_group<float>(p, do3, q3, k3, v3, st, dq3, dk_t, dv_t, g0,
-                              std::min(nb, groups - g0), part, parts, sc);
-      });
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
-        Tensor dk_t, dv_t;
-        const int64_t part = task_of(task, dk_t, dv_t), g0 = (task / parts) * nb;
-        backward_group<at::BFloat16>(p, do3, q3, k3, v3, st, dq3, dk_t, dv_t, g0,
-                                     std::min(nb, groups - g0), part, parts, sc);
-      });
-    }));
+  for_products(q5.scalar_type(), [&](auto zero) {
+    using mm_t = decltype(zero);
+    run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
+      const int64_t part = task % parts, g0 = (task / parts) * nb;
+      Tensor dk_t = parts > 1 ? dk_parts.select(0, part) : dk3;
+      Tensor dv_t = parts > 1 ? dv_parts.select(0, part) : dv3;
+      backward_group<mm_t>(p, do3, q3, k3, v3, st, dq3, dk_t, dv_t, g0,
+                           std::min(nb, groups - g0), part, parts, sc);
+    });
+  });
   if (parts > 1) {
     dk3 = dk_parts.sum(0);
     dv3 = dv_parts.sum(0);
