@@ -229,6 +229,44 @@ inline Tensor view3(const Tensor& buf, int64_t n, int64_t a, int64_t b) {
   return buf.narrow(0, 0, n * a * b).view({n, a, b});
 }
 
+// Row i of head j*G + g of batch row b (gi = b*Hkv + j): its weights W = P Z / rho from its
+// product row srow (keys 0:N), written to prow[0:width] (0 past the visible keys), and its
+// stats (m, log l). A row with no visible key: W = 0 and stats left (+inf, 0); a NaN row: NaN.
+template <typename in_t, typename out_t>
+void weights_row(const Params& p, const in_t* srow, out_t* prow, int64_t N, int64_t width,
+                 int64_t gi, int64_t g, int64_t i, float* t, float* keep, uint64_t* words,
+                 float* stats) {
+  const int64_t row = (gi * p.G + g) * p.L + i;  // in (B, H, L): h = j G + g
+  const int64_t n = row_scores<in_t>(p, srow, t, N, gi / p.Hkv, gi % p.Hkv, g, i);
+  float m = -kInf;
+#pragma omp simd reduction(max : m)
+  for (int64_t c = 0; c < n; ++c) m = t[c] > m ? t[c] : m;
+  if (m == -kInf) {  // no visible key (the max passes over NaN: a NaN row propagates)
+    bool nan = false;
+    for (int64_t c = 0; c < n; ++c) nan |= t[c] != t[c];
+    std::fill(prow, prow + width, static_cast<out_t>(nan ? kNaN : 0.f));
+    if (nan) stats[row * 2] = kNaN;  // (else they stay (+inf, 0): dead)
+    return;
+  }
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t c = 0; c < n; ++c) {
+    const float e = exp2_nonpositive((t[c] - m) * kLog2e);
+    t[c] = e;
+    total += e;
+  }
+  const float norm = 1.f / total;
+  if (p.dropout) {
+    keep_row(p, row, n, words, keep);
+    for (int64_t c = 0; c < n; ++c) prow[c] = static_cast<out_t>(t[c] * norm * keep[c]);
+  } else {
+    for (int64_t c = 0; c < n; ++c) prow[c] = static_cast<out_t>(t[c] * norm);
+  }
+  std::fill(prow + n, prow + width, static_cast<out_t>(0.f));
+  stats[row * 2] = m;
+  stats[row * 2 + 1] = std::log(total);
+}
+
 // A block: query rows r0:r1 of the G heads of the nb groups (batch row, kv head) g0:g0+nb,
 // against keys 0:N. q3 (B*Hkv, G*L, E), k3 (B*Hkv, S, E), v3 (B*Hkv, S, Ev), out3 like q3.
 template <typename mm_t>
@@ -254,36 +292,7 @@ void forward_block(const Params& p, const Tensor& q3, const Tensor& k3, const Te
   mm_t* p_ptr = pm.data_ptr<mm_t>();
   for (int64_t r = 0; r < nb * M; ++r) {
     const int64_t gi = g0 + r / M, g = (r % M) / R, i = r0 + r % R;
-    const int64_t row = (gi * G + g) * p.L + i;  // in (B, H, L): h = j G + g
-    const int64_t n = row_scores<mm_t>(p, s_ptr + r * N, t, N, gi / p.Hkv, gi % p.Hkv, g, i);
-    mm_t* prow = p_ptr + r * N;
-    float m = -kInf;
-#pragma omp simd reduction(max : m)
-    for (int64_t c = 0; c < n; ++c) m = t[c] > m ? t[c] : m;
-    if (m == -kInf) {  // no visible key (the max passes over NaN: a NaN row propagates)
-      bool nan = false;
-      for (int64_t c = 0; c < n; ++c) nan |= t[c] != t[c];
-      std::fill(prow, prow + N, static_cast<mm_t>(nan ? kNaN : 0.f));
-      if (nan) stats[row * 2] = kNaN;  // (else they stay (+inf, 0): dead)
-      continue;
-    }
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t c = 0; c < n; ++c) {
-      const float e = exp2_nonpositive((t[c] - m) * kLog2e);
-      t[c] = e;
-      total += e;
-    }
-    const float norm = 1.f / total;
-    if (p.dropout) {
-      keep_row(p, row, n, words, keep);
-      for (int64_t c = 0; c < n; ++c) prow[c] = static_cast<mm_t>(t[c] * norm * keep[c]);
-    } else {
-      for (int64_t c = 0; c < n; ++c) prow[c] = static_cast<mm_t>(t[c] * norm);
-    }
-    std::fill(prow + n, prow + N, static_cast<mm_t>(0.f));
-    stats[row * 2] = m;
-    stats[row * 2 + 1] = std::log(total);
+    weights_row<mm_t, mm_t>(p, s_ptr + r * N, p_ptr + r * N, N, N, gi, g, i, t, keep, words, stats);
   }
   Tensor vb = v3.narrow(0, g0, nb).narrow(1, 0, N);
   if (R == p.L) {  // the block's output rows are contiguous in out3
@@ -294,6 +303,43 @@ void forward_block(const Params& p, const Tensor& q3, const Tensor& k3, const Te
     at::bmm_out(o, pm, vb);
     rows_of(out3, G, g0, nb, r0, R).copy_(o.view({nb, G, R, p.Ev}));
   }
+}
+
+// Row i of head j*G + g of batch row b (gi = b*Hkv + j), in the backward: its P recomputed
+// from its product row srow and stats, into prow[0:width], and W = P Z / rho into wrow (with
+// dropout; else wrow is prow). Returns its visible keys n. A dead row: 0; a NaN row (its
+// forward's): NaN, both over width.
+template <typename in_t>
+int64_t probabilities_row(const Params& p, const in_t* srow, float* prow, float* wrow, int64_t N,
+                          int64_t width, int64_t gi, int64_t g, int64_t i, float* t, float* keep,
+                          uint64_t* words, const float* stats) {
+  const int64_t row = (gi * p.G + g) * p.L + i;
+  const float* st = stats + row * 2;
+  if (!(st[0] < kInf)) {
+    const float fill = st[0] != st[0] ? kNaN : 0.f;
+    std::fill(prow, prow + width, fill);
+    if (p.dropout) std::fill(wrow, wrow + width, fill);
+    return 0;
+  }
+  const int64_t n = row_scores<in_t>(p, srow, t, N, gi / p.Hkv, gi % p.Hkv, g, i);
+  const float m = st[0], inv_total = std::exp(-st[1]);
+  for (int64_t c = 0; c < n; ++c) prow[c] = exp2_nonpositive((t[c] - m) * kLog2e) * inv_total;
+  std::fill(prow + n, prow + width, 0.f);
+  if (p.dropout) {
+    keep_row(p, row, n, words, keep);
+    for (int64_t c = 0; c < n; ++c) wrow[c] = prow[c] * keep[c];
+    std::fill(wrow + n, wrow + width, 0.f);
+  }
+  return n;
+}
+
+// dS = W dP - P D over a row's n visible keys, in place of W, with D = sum_j W_j dP_j.
+template <typename dp_t>
+void score_grad_row(const dp_t* dprow, float* wrow, const float* prow, int64_t n) {
+  float d = 0.f;
+#pragma omp simd reduction(+ : d)
+  for (int64_t c = 0; c < n; ++c) d += wrow[c] * static_cast<float>(dprow[c]);
+  for (int64_t c = 0; c < n; ++c) wrow[c] = wrow[c] * static_cast<float>(dprow[c]) - prow[c] * d;
 }
 
 // dQ of groups g0:g0+nb, and their dK, dV summed over row blocks first, first + stride, ...
@@ -340,31 +386,10 @@ void backward_group(const Params& p, const Tensor& do3, const Tensor& q3, const 
     std::vector<int64_t> visible(nb * M, 0);
     for (int64_t r = 0; r < nb * M; ++r) {  // P and W = P Z / rho, recomputed
       const int64_t gi = g0 + r / M, g = (r % M) / R, i = r0 + r % R;
-      const int64_t row = (gi * G + g) * p.L + i;
-      const float* st = stats + row * 2;
-      float* prow = p_ptr + r * N;
       float* wrow = w_ptr + r * N;
-      if (!(st[0] < kInf)) {  // a dead row: 0; a NaN row (its forward's): NaN
-        const float fill = st[0] != st[0] ? kNaN : 0.f;
-        std::fill(prow, prow + N, fill);
-        if (p.dropout) std::fill(wrow, wrow + N, fill);
-        if (wide) std::fill(wm_ptr + r * N, wm_ptr + (r + 1) * N, static_cast<mm_t>(fill));
-        continue;
-      }
-      const int64_t n = row_scores<mm_t>(p, s_ptr + r * N, t, N, gi / p.Hkv, gi % p.Hkv, g, i);
-      visible[r] = n;
-      const float m = st[0], inv_total = std::exp(-st[1]);
-      for (int64_t c = 0; c < n; ++c) prow[c] = exp2_nonpositive((t[c] - m) * kLog2e) * inv_total;
-      std::fill(prow + n, prow + N, 0.f);
-      if (p.dropout) {
-        keep_row(p, row, n, words, keep);
-        for (int64_t c = 0; c < n; ++c) wrow[c] = prow[c] * keep[c];
-        std::fill(wrow + n, wrow + N, 0.f);
-      }
-      if (once) {
-        mm_t* wmrow = wm_ptr + r * N;
-        for (int64_t c = 0; c < N; ++c) wmrow[c] = static_cast<mm_t>(wrow[c]);
-      }
+      visible[r] = probabilities_row<mm_t>(p, s_ptr + r * N, p_ptr + r * N, wrow, N, N, gi, g, i,
+                                           t, keep, words, stats);
+      if (once) std::copy(wrow, wrow + N, wm_ptr + r * N);  // (rounded to 16 bits)
     }
     Tensor dvb = dvg.narrow(1, 0, N);  // (nb, N, Ev)
     if (once) {
@@ -378,18 +403,9 @@ void backward_group(const Params& p, const Tensor& do3, const Tensor& q3, const 
     at::bmm_out(dp, dob, vb.transpose(1, 2));
     const mm_t* dp_ptr = dp.data_ptr<mm_t>();
     for (int64_t r = 0; r < nb * M; ++r) {  // dS = W dP - P D, in place of W
-      const int64_t n = visible[r];
-      const mm_t* dprow = dp_ptr + r * N;
       float* wrow = w_ptr + r * N;
-      const float* prow = p_ptr + r * N;
-      float d = 0.f;
-#pragma omp simd reduction(+ : d)
-      for (int64_t c = 0; c < n; ++c) d += wrow[c] * static_cast<float>(dprow[c]);
-      for (int64_t c = 0; c < n; ++c) wrow[c] = wrow[c] * static_cast<float>(dprow[c]) - prow[c] * d;
-      if (wide) {  // (a dead row's W is 0, so is its dS)
-        mm_t* dsrow = wm_ptr + r * N;
-        for (int64_t c = 0; c < N; ++c) dsrow[c] = static_cast<mm_t>(wrow[c]);
-      }
+      score_grad_row(dp_ptr + r * N, wrow, p_ptr + r * N, visible[r]);
+      if (wide) std::copy(wrow, wrow + N, wm_ptr + r * N);  // (a dead row's W is 0, so is dS)
     }
     Tensor ds = w;  // (nb, M, N) float32
     Tensor ds_mm = w_mm;  // (in 16 bits, with 16-bit products)
