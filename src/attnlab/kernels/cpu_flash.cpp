@@ -28,6 +28,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
+#if __has_include(<ATen/native/CPUBlas.h>)
+#include <ATen/native/CPUBlas.h>
+#endif
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -65,6 +72,23 @@ inline float exp2_nonpositive(float x) {
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return x < -126.f ? 0.f : (x == x ? p * two_n : x);
 }
+
+// y[0:n] = x[0:n] * scale rounded to bfloat16 (to nearest even; AVX512-BF16's instruction,
+// where the CPU has it, flushes results under 2^-126 to 0, as exp2_nonpositive does).
+inline void store_bf16(const float* x, at::BFloat16* y, int64_t n, float scale = 1.f) {
+  int64_t c = 0;
+#if defined(__AVX512BF16__)
+  const __m512 s = _mm512_set1_ps(scale);
+  for (; c + 16 <= n; c += 16) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + c), s));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + c), reinterpret_cast<const __m256i&>(h));
+  }
+#endif
+  for (; c < n; ++c) y[c] = static_cast<at::BFloat16>(x[c] * scale);
+}
+
+inline void store_row(const float* x, float* y, int64_t n) { std::copy(x, x + n, y); }
+inline void store_row(const float* x, at::BFloat16* y, int64_t n) { store_bf16(x, y, n); }
 
 inline uint64_t mix64(uint64_t z) {  // splitmix64's output function
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -163,8 +187,10 @@ struct Slot {
 constexpr size_t kKeptBytes = size_t(64) << 20;
 struct Scratch {
   Slot q, s, pm, o, t, keep, words, pf, w, dp, dsm;
+  Slot kt_p, vt_p, kv_p, dkt, dvt, w_p, ds_p, qt, dot;  // (brgemm: packed operands, sums)
   void trim() {
-    Slot* slots[] = {&q, &s, &pm, &o, &t, &keep, &words, &pf, &w, &dp, &dsm};
+    Slot* slots[] = {&q,    &s,    &pm,   &o,   &t,   &keep, &words, &pf,  &w,  &dp,
+                     &dsm,  &kt_p, &vt_p, &kv_p, &dkt, &dvt, &w_p,   &ds_p, &qt, &dot};
     size_t total = 0;
     for (Slot* slot : slots) total += slot->bytes;
     if (total > kKeptBytes)
@@ -258,10 +284,11 @@ void weights_row(const Params& p, const in_t* srow, out_t* prow, int64_t N, int6
   const float norm = 1.f / total;
   if (p.dropout) {
     keep_row(p, row, n, words, keep);
-    for (int64_t c = 0; c < n; ++c) prow[c] = static_cast<out_t>(t[c] * norm * keep[c]);
+    for (int64_t c = 0; c < n; ++c) t[c] = t[c] * norm * keep[c];
   } else {
-    for (int64_t c = 0; c < n; ++c) prow[c] = static_cast<out_t>(t[c] * norm);
+    for (int64_t c = 0; c < n; ++c) t[c] *= norm;
   }
+  store_row(t, prow, n);
   std::fill(prow + n, prow + width, static_cast<out_t>(0.f));
   stats[row * 2] = m;
   stats[row * 2 + 1] = std::log(total);
@@ -422,6 +449,287 @@ void backward_group(const Params& p, const Tensor& do3, const Tensor& q3, const 
   }
 }
 
+// ---- bfloat16 products through oneDNN's brgemm (AMX tiles where the CPU has them) ----
+//
+// The same blocks, with each product C = A B a series of brgemm calls: A (M x K) row-major,
+// B "packed" -- column blocks of kCols, each (K/2, kCols, 2), row pairs interleaved (VNNI) --
+// C float32. Products in bfloat16 accumulate in float32, so a block needs not hold every row
+// (the at::bmm path above does, to round dK and dV once): blocks of p.rows (~64) query rows
+// per head keep their scores in L2, and dK, dV add up in float32 over the row blocks. Scores
+// and dP are float32, never rounded to 16 bits.
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+namespace cb = at::native::cpublas;
+using bf16 = at::BFloat16;
+constexpr int64_t kCols = 64;  // a packed block's columns (oneDNN takes 16, 32, 48 or 64)
+
+bool brgemm_available() { return cb::could_pack(at::kBFloat16); }
+
+inline int64_t even(int64_t x) { return x + (x & 1); }
+
+// A packed B: K rows (padded to even with 0), N columns in blocks of kCols.
+struct Packed {
+  bf16* data;
+  int64_t K, N;
+  int64_t block() const { return kCols * even(K); }  // elements per column block
+  static size_t bytes(int64_t K, int64_t N) {
+    return static_cast<size_t>((N + kCols - 1) / kCols * kCols * even(K)) * sizeof(bf16);
+  }
+};
+
+// B = X, X's K rows of N (leading dimension ld), packed into out (Packed::bytes(K, N)); a
+// missing last row (K odd) and the last block's columns past N are 0.
+Packed pack_rows(const bf16* x, int64_t K, int64_t N, int64_t ld, void* out) {
+  Packed b{static_cast<bf16*>(out), K, N};
+  const uint16_t* x16 = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t c0 = 0; c0 < N; c0 += kCols) {
+    const int64_t nc = std::min(kCols, N - c0);
+    uint32_t* blk = reinterpret_cast<uint32_t*>(b.data + c0 / kCols * b.block());
+    for (int64_t k = 0; k < K; k += 2) {
+      const uint16_t* lo = x16 + k * ld + c0;
+      uint32_t* o = blk + k / 2 * kCols;
+      if (k + 1 < K) {
+        const uint16_t* hi = lo + ld;
+        for (int64_t c = 0; c < nc; ++c) o[c] = uint32_t(lo[c]) | (uint32_t(hi[c]) << 16);
+      } else {
+        for (int64_t c = 0; c < nc; ++c) o[c] = lo[c];
+      }
+      std::fill(o + nc, o + kCols, 0u);
+    }
+  }
+  return b;
+}
+
+// B = X^T from X's N rows of K (K even, leading dimension ld): row pairs of B are column pairs
+// of X, so each 32-bit word of B is one of X's.
+Packed pack_transposed(const bf16* x, int64_t N, int64_t K, int64_t ld, void* out) {
+  Packed b{static_cast<bf16*>(out), K, N};
+  for (int64_t c0 = 0; c0 < N; c0 += kCols) {
+    const int64_t nc = std::min(kCols, N - c0);
+    uint32_t* blk = reinterpret_cast<uint32_t*>(b.data + c0 / kCols * b.block());
+    for (int64_t c = 0; c < nc; ++c) {
+      const bf16* row = x + (c0 + c) * ld;
+      for (int64_t k = 0; k < K; k += 2) {
+        uint32_t word;
+        std::memcpy(&word, row + k, sizeof(word));
+        blk[k / 2 * kCols + c] = word;
+      }
+    }
+    for (int64_t k = 0; k < K; k += 2) std::fill(blk + k / 2 * kCols + nc, blk + (k / 2 + 1) * kCols, 0u);
+  }
+  return b;
+}
+
+// C (M x N, leading dimension ldc) = A B, or += with add: A's first K (even(K)) columns (lda)
+// by B's first K rows (K <= B.K) and first N columns.
+void gemm(int64_t M, int64_t N, int64_t K, const bf16* A, int64_t lda, const Packed& B, float* C,
+          int64_t ldc, bool add) {
+  for (int64_t c0 = 0; c0 < N; c0 += kCols)
+    cb::brgemm(M, std::min(kCols, N - c0), even(K), lda, kCols, ldc, add, A,
+               B.data + c0 / kCols * B.block(), C + c0, /*is_vnni=*/true);
+}
+
+// While alive, row K of a packed B (K odd, K < B.K) reads 0: a product over its first K rows
+// then reads K + 1 (the pair), and row K is a key this block cannot see (one that may hold
+// inf: 0 * inf would be NaN).
+struct HiddenRow {
+  Packed B;
+  int64_t K;
+  std::vector<uint16_t> kept;
+  HiddenRow(const Packed& b, int64_t k) : B(b), K(k) {
+    if (K % 2 == 0 || K >= B.K) return;
+    for (int64_t c0 = 0; c0 < B.N; c0 += kCols) {
+      uint16_t* pair = reinterpret_cast<uint16_t*>(B.data + c0 / kCols * B.block() + K / 2 * 2 * kCols);
+      for (int64_t c = 0; c < kCols; ++c) {
+        kept.push_back(pair[2 * c + 1]);
+        pair[2 * c + 1] = 0;
+      }
+    }
+  }
+  ~HiddenRow() {
+    if (kept.empty()) return;
+    size_t n = 0;
+    for (int64_t c0 = 0; c0 < B.N; c0 += kCols) {
+      uint16_t* pair = reinterpret_cast<uint16_t*>(B.data + c0 / kCols * B.block() + K / 2 * 2 * kCols);
+      for (int64_t c = 0; c < kCols; ++c) pair[2 * c + 1] = kept[n++];
+    }
+  }
+};
+
+// pack_rows of X * scale from float32 rows (rounded to bfloat16 as store_bf16 rounds).
+Packed pack_rows(const float* x, int64_t K, int64_t N, int64_t ld, void* out, float scale) {
+  Packed b{static_cast<bf16*>(out), K, N};
+#if defined(__AVX512BF16__)
+  const __m512 s = _mm512_set1_ps(scale);
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);  // (a0 b0 a1 b1 ... from a0..a15 b0..b15)
+#endif
+  for (int64_t c0 = 0; c0 < N; c0 += kCols) {
+    const int64_t nc = std::min(kCols, N - c0);
+    bf16* blk = b.data + c0 / kCols * b.block();
+    for (int64_t k = 0; k < K; k += 2) {
+      const float* lo = x + k * ld + c0;
+      const float* hi = k + 1 < K ? lo + ld : nullptr;
+      bf16* o = blk + k / 2 * 2 * kCols;
+      int64_t c = 0;
+#if defined(__AVX512BF16__)
+      if (hi != nullptr) {
+        for (; c + 16 <= nc; c += 16) {
+          const __m512bh ab = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(hi + c), s),
+                                                  _mm512_mul_ps(_mm512_loadu_ps(lo + c), s));
+          _mm512_storeu_si512(o + 2 * c, _mm512_permutexvar_epi16(
+                                             pairs, reinterpret_cast<const __m512i&>(ab)));
+        }
+      }
+#endif
+      for (; c < nc; ++c) {
+        o[2 * c] = static_cast<bf16>(lo[c] * scale);
+        o[2 * c + 1] = hi != nullptr ? static_cast<bf16>(hi[c] * scale) : bf16(0.f);
+      }
+      std::fill(o + 2 * nc, o + 2 * kCols, bf16(0.f));
+    }
+  }
+  return b;
+}
+
+// out (X x R') = x^T, x's R rows of X (leading dimension ld); R' = even(R) with a zero last
+// column when R is odd. In tiles of 16 x 16, so that reads and writes stay in a few lines.
+template <typename T>
+void transpose(const T* x, int64_t R, int64_t X, int64_t ld, T* out, int64_t ld_out) {
+  constexpr int64_t kTile = 16;
+  for (int64_t r0 = 0; r0 < R; r0 += kTile) {
+    const int64_t r1 = std::min(R, r0 + kTile);
+    for (int64_t c0 = 0; c0 < X; c0 += kTile) {
+      const int64_t c1 = std::min(X, c0 + kTile);
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t r = r0; r < r1; ++r) out[c * ld_out + r] = x[r * ld + c];
+    }
+  }
+}
+
+// Query rows r0:r1 of every head of group gi (batch row, kv head), rows first, first +
+// stride, ... in blocks of p.rows: K and V packed once for all of them.
+void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, const Tensor& v3,
+                          Tensor& out3, float* stats, int64_t gi, int64_t first, int64_t stride,
+                          Scratch& sc) {
+  const int64_t G = p.G, L = p.L, S = p.S, E = p.E, Ev = p.Ev, ld = even(S);
+  const bf16* q = q3.data_ptr<bf16>() + gi * q3.stride(0);
+  const bf16* k = k3.data_ptr<bf16>() + gi * k3.stride(0);
+  const bf16* v = v3.data_ptr<bf16>() + gi * v3.stride(0);
+  bf16* out = out3.data_ptr<bf16>() + gi * out3.stride(0);
+  const int64_t ldq = q3.stride(1), ldk = k3.stride(1), ldv = v3.stride(1);
+  const Packed kt = pack_transposed(k, S, E, ldk, sc.kt_p.get(Packed::bytes(E, S)));
+  const Packed vp = pack_rows(v, S, Ev, ldv, sc.kv_p.get(Packed::bytes(S, Ev)));
+  float* s = static_cast<float*>(sc.s.get(p.rows * ld * sizeof(float)));
+  bf16* pm = static_cast<bf16*>(sc.pm.get(p.rows * ld * sizeof(bf16)));
+  float* o = static_cast<float*>(sc.o.get(p.rows * Ev * sizeof(float)));
+  float* t = static_cast<float*>(sc.t.get(S * sizeof(float)));
+  float* keep = p.dropout ? static_cast<float*>(sc.keep.get(S * sizeof(float))) : nullptr;
+  uint64_t* words =
+      p.dropout ? static_cast<uint64_t*>(sc.words.get((S / 2 + 8) * sizeof(uint64_t))) : nullptr;
+  for (int64_t r0 = first * p.rows; r0 < L; r0 += stride * p.rows) {
+    const int64_t R = std::min(L, r0 + p.rows) - r0, N = block_keys(p, r0 + R), Np = even(N);
+    for (int64_t g = 0; g < G; ++g) {
+      bf16* orows = out + (g * L + r0) * Ev;
+      if (N <= 0) {  // every row before the first key: dead (stats were set so)
+        std::fill(orows, orows + R * Ev, bf16(0.f));
+        continue;
+      }
+      gemm(R, N, E, q + (g * L + r0) * ldq, ldq, kt, s, Np, false);  // S = Q K^T
+      for (int64_t i = 0; i < R; ++i)
+        weights_row<float, bf16>(p, s + i * Np, pm + i * Np, N, Np, gi, g, r0 + i, t, keep, words,
+                                 stats);
+      {
+        HiddenRow hidden(vp, N);
+        gemm(R, Ev, N, pm, Np, vp, o, Ev, false);  // O = W V
+      }
+      store_bf16(o, orows, R * Ev);
+    }
+  }
+}
+
+// dQ of group gi's rows first, first + stride, ... (blocks of p.rows), and the group's dK, dV
+// summed over them into dk3, dv3 (float32, written once: this task's alone).
+void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
+                           const Tensor& k3, const Tensor& v3, const float* stats, Tensor& dq3,
+                           Tensor& dk3, Tensor& dv3, int64_t gi, int64_t first, int64_t stride,
+                           Scratch& sc) {
+  const int64_t G = p.G, L = p.L, S = p.S, E = p.E, Ev = p.Ev, ld = even(S);
+  const int64_t rows = p.rows, rows_p = even(rows);
+  const bf16* q = q3.data_ptr<bf16>() + gi * q3.stride(0);
+  const bf16* dout = do3.data_ptr<bf16>() + gi * do3.stride(0);
+  const bf16* k = k3.data_ptr<bf16>() + gi * k3.stride(0);
+  const bf16* v = v3.data_ptr<bf16>() + gi * v3.stride(0);
+  const int64_t ldq = q3.stride(1), lddo = do3.stride(1), ldk = k3.stride(1), ldv = v3.stride(1);
+  float* dq = dq3.data_ptr<float>() + gi * dq3.stride(0);
+  const Packed kt = pack_transposed(k, S, E, ldk, sc.kt_p.get(Packed::bytes(E, S)));
+  const Packed vt = pack_transposed(v, S, Ev, ldv, sc.vt_p.get(Packed::bytes(Ev, S)));
+  const Packed kp = pack_rows(k, S, E, ldk, sc.kv_p.get(Packed::bytes(S, E)));
+  // dK^T (E x S) and dV^T (Ev x S): sums over the blocks, C of brgemm (B is the block's dS, W)
+  float* dkt = static_cast<float*>(sc.dkt.get(E * ld * sizeof(float)));
+  float* dvt = static_cast<float*>(sc.dvt.get(Ev * ld * sizeof(float)));
+  std::fill(dkt, dkt + E * ld, 0.f);
+  std::fill(dvt, dvt + Ev * ld, 0.f);
+  float* pf = static_cast<float*>(sc.s.get(rows * ld * sizeof(float)));  // S, then P in place
+  float* dp = static_cast<float*>(sc.dp.get(rows * ld * sizeof(float)));
+  float* w = p.dropout ? static_cast<float*>(sc.w.get(rows * ld * sizeof(float))) : pf;
+  bf16* dsm = static_cast<bf16*>(sc.dsm.get(rows * ld * sizeof(bf16)));  // s dS in 16 bits
+  void* w_p = sc.w_p.get(Packed::bytes(rows, S));
+  void* ds_p = sc.ds_p.get(Packed::bytes(rows, S));
+  bf16* qt = static_cast<bf16*>(sc.qt.get(E * rows_p * sizeof(bf16)));
+  bf16* dot = static_cast<bf16*>(sc.dot.get(Ev * rows_p * sizeof(bf16)));
+  float* dqf = static_cast<float*>(sc.o.get(rows * E * sizeof(float)));
+  float* t = static_cast<float*>(sc.t.get(S * sizeof(float)));
+  float* keep = p.dropout ? static_cast<float*>(sc.keep.get(S * sizeof(float))) : nullptr;
+  uint64_t* words =
+      p.dropout ? static_cast<uint64_t*>(sc.words.get((S / 2 + 8) * sizeof(uint64_t))) : nullptr;
+  std::vector<int64_t> visible(rows, 0);
+  for (int64_t r0 = first * rows; r0 < L; r0 += stride * rows) {
+    const int64_t R = std::min(L, r0 + rows) - r0, N = block_keys(p, r0 + R), Np = even(N);
+    for (int64_t g = 0; g < G; ++g) {
+      float* dqrows = dq + (g * L + r0) * E;
+      if (N <= 0) {
+        std::fill(dqrows, dqrows + R * E, 0.f);
+        continue;
+      }
+      const bf16* qb = q + (g * L + r0) * ldq;
+      const bf16* dob = dout + (g * L + r0) * lddo;
+      gemm(R, N, E, qb, ldq, kt, pf, Np, false);      // S = Q K^T
+      gemm(R, N, Ev, dob, lddo, vt, dp, Np, false);   // dP = dO V^T
+      for (int64_t i = 0; i < R; ++i)  // P (in place of S) and W = P Z / rho, recomputed
+        visible[i] = probabilities_row<float>(p, pf + i * Np, pf + i * Np, w + i * Np, N, Np, gi,
+                                              g, r0 + i, t, keep, words, stats);
+      const Packed wb = pack_rows(w, R, N, Np, w_p, 1.f);  // (before dS takes W's place)
+      for (int64_t i = 0; i < R; ++i) {  // s dS = s (W dP - P D): float32, and 16 bits for dQ
+        float* wrow = w + i * Np;
+        score_grad_row(dp + i * Np, wrow, pf + i * Np, visible[i]);
+        store_bf16(wrow, dsm + i * Np, Np, p.scale);
+      }
+      const Packed dsb = pack_rows(w, R, N, Np, ds_p, p.scale);
+      transpose(dob, R, Ev, lddo, dot, even(R));
+      transpose(qb, R, E, ldq, qt, even(R));
+      if (R % 2) {
+        for (int64_t e = 0; e < Ev; ++e) dot[e * even(R) + R] = bf16(0.f);
+        for (int64_t e = 0; e < E; ++e) qt[e * even(R) + R] = bf16(0.f);
+      }
+      gemm(Ev, N, R, dot, even(R), wb, dvt, ld, true);  // dV^T += dO^T W
+      gemm(E, N, R, qt, even(R), dsb, dkt, ld, true);   // dK^T += Q^T (s dS)
+      {
+        HiddenRow hidden(kp, N);
+        gemm(R, E, N, dsm, Np, kp, dqf, E, false);  // dQ = (s dS) K
+      }
+      std::copy(dqf, dqf + R * E, dqrows);  // (float32: the caller rounds once)
+    }
+  }
+  float* dk = dk3.data_ptr<float>() + gi * dk3.stride(0);
+  float* dv = dv3.data_ptr<float>() + gi * dv3.stride(0);
+  transpose(dkt, E, S, ld, dk, E);
+  transpose(dvt, Ev, S, ld, dv, Ev);
+}
+#else
+bool brgemm_available() { return false; }
+#endif
+
 Params make_params(const Tensor& q5, const Tensor& k, const Tensor& v,
                    const c10::optional<Tensor>& mask, int64_t offset, bool causal, double scale,
                    int64_t rows, int64_t width, int64_t dropped, double keep, int64_t seed) {
@@ -474,10 +782,31 @@ inline int64_t groups_per_block(const Params& p, int64_t per_block) {
   return p.rows < p.L ? 1 : std::max<int64_t>(1, std::min(per_block, p.B * p.Hkv));
 }
 
+// The brgemm path serves this call (the Python side asks for it where brgemm_available() and
+// the head dims are even: packed row pairs are 32-bit words); its rows must be contiguous.
+bool take_brgemm(bool asked, const Params& p, const Tensor& q5, std::vector<Tensor*> operands) {
+  if (!asked) return false;
+  TORCH_CHECK(brgemm_available() && q5.scalar_type() == at::kBFloat16 && p.E % 2 == 0 &&
+                  p.Ev % 2 == 0,
+              "attnlab cpu_flash: brgemm asked for where it does not serve (bfloat16, even head "
+              "dims, a CPU oneDNN packs for)");
+  for (Tensor* x : operands)
+    if (x->stride(2) != 1) *x = x->contiguous();
+  return true;
+}
+
+// Tasks (group, part) for the brgemm path: with fewer groups than threads, a group's row
+// blocks are dealt out to `parts` tasks.
+inline int64_t parts_for(const Params& p, int64_t groups, int64_t threads) {
+  const int64_t row_blocks = (p.L + p.rows - 1) / p.rows;
+  return groups < threads ? std::min(row_blocks, (threads + groups - 1) / groups) : 1;
+}
+
 std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
                             const c10::optional<Tensor>& mask, bool causal, int64_t offset,
                             double scale, int64_t rows, int64_t per_block, int64_t width,
-                            int64_t dropped, double keep, int64_t seed, int64_t threads) {
+                            int64_t dropped, double keep, int64_t seed, int64_t threads,
+                            bool brgemm) {
   Params p = make_params(q5, k, v, mask, offset, causal, scale, rows, width, dropped, keep, seed);
   const int64_t groups = p.B * p.Hkv;
   // (a copy only where the heads are not laid out as (B*Hkv, G*L, E): views of projections)
@@ -487,6 +816,18 @@ std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
   Tensor stats = at::zeros({p.B, p.Hkv, p.G, p.L, 2}, q5.options().dtype(at::kFloat));
   stats.select(4, 0).fill_(kInf);
   float* st = stats.data_ptr<float>();
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+  if (take_brgemm(brgemm, p, q5, {&q3, &k3, &v3})) {
+    const int64_t parts = parts_for(p, groups, threads);
+    run_tasks(groups * parts, threads, [&](int64_t task, Scratch& sc) {
+      forward_group_brgemm(p, q3, k3, v3, out3, st, task / parts, task % parts, parts, sc);
+      cb::brgemm_release();
+    });
+    return {out3.view({p.B, p.Hkv, p.G, p.L, p.Ev}), stats};
+  }
+#else
+  take_brgemm(brgemm, p, q5, {});
+#endif
   const int64_t nb = groups_per_block(p, per_block), chunks = (groups + nb - 1) / nb;
   const int64_t row_blocks = (p.L + p.rows - 1) / p.rows;
   const int64_t n = chunks * row_blocks;
@@ -505,12 +846,18 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
                              const Tensor& v, const Tensor& stats,
                              const c10::optional<Tensor>& mask, bool causal, int64_t offset,
                              double scale, int64_t rows, int64_t per_block, int64_t width,
-                             int64_t dropped, double keep, int64_t seed, int64_t threads) {
+                             int64_t dropped, double keep, int64_t seed, int64_t threads,
+                             bool brgemm) {
   Params p = make_params(q5, k, v, mask, offset, causal, scale, rows, width, dropped, keep, seed);
   TORCH_CHECK(stats.is_contiguous() && stats.scalar_type() == at::kFloat, "stats float32");
   const int64_t groups = p.B * p.Hkv;
   Tensor q3 = q5.reshape({groups, p.G * p.L, p.E}), do3 = do5.reshape({groups, p.G * p.L, p.Ev});
   Tensor k3 = k.reshape({groups, p.S, p.E}), v3 = v.reshape({groups, p.S, p.Ev});
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+  const bool use_brgemm = take_brgemm(brgemm, p, q5, {&q3, &do3, &k3, &v3});
+#else
+  const bool use_brgemm = take_brgemm(brgemm, p, q5, {});
+#endif
   auto f32 = q5.options().dtype(at::kFloat);
   Tensor dq3 = at::empty({groups, p.G * p.L, p.E}, f32);
   Tensor dk3 = at::zeros({groups, p.S, p.E}, f32);
@@ -519,15 +866,30 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
   // Fewer groups (batch row, kv head) than threads: each group's row blocks are dealt out to
   // `parts` tasks, each summing dK, dV into a float32 copy of its own, added up at the end
   // (deterministic: a task's blocks and the final sum run in a fixed order).
-  const int64_t parts = groups < threads ? std::min<int64_t>((threads + groups - 1) / groups, p.L) : 1;
+  const int64_t parts = use_brgemm ? parts_for(p, groups, threads)
+                     : groups < threads ? std::min<int64_t>((threads + groups - 1) / groups, p.L)
+                                        : 1;
   Tensor dk_parts = dk3, dv_parts = dv3;
   if (parts > 1) {
-    p.rows = std::max<int64_t>(1, std::min(p.rows, (p.L + 2 * parts - 1) / (2 * parts)));
+    if (!use_brgemm)
+      p.rows = std::max<int64_t>(1, std::min(p.rows, (p.L + 2 * parts - 1) / (2 * parts)));
     dk_parts = at::zeros({parts, groups, p.S, p.E}, f32);
     dv_parts = at::zeros({parts, groups, p.S, p.Ev}, f32);
   }
-  const int64_t nb = parts > 1 ? 1 : groups_per_block(p, per_block);
+  const int64_t nb = parts > 1 || use_brgemm ? 1 : groups_per_block(p, per_block);
   const int64_t chunks = (groups + nb - 1) / nb, n = chunks * parts;
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+  if (use_brgemm) {
+    run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
+      const int64_t part = task % parts;
+      Tensor dk_t = parts > 1 ? dk_parts.select(0, part) : dk3;
+      Tensor dv_t = parts > 1 ? dv_parts.select(0, part) : dv3;
+      backward_group_brgemm(p, do3, q3, k3, v3, st, dq3, dk_t, dv_t, task / parts, part, parts,
+                            sc);
+      cb::brgemm_release();
+    });
+  } else
+#endif
   for_products(q5.scalar_type(), [&](auto zero) {
     using mm_t = decltype(zero);
     run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
@@ -554,4 +916,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("backward", &backward, "blocked attention backward: (dq, dk, dv)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("brgemm_available", &brgemm_available,
+        "whether bfloat16 products may go through oneDNN's brgemm (packed B) on this CPU");
 }

@@ -84,6 +84,9 @@ BLOCK_BYTES = 2 * 2**20  # float32 scores of one block (at least one head x G*BL
 # this (L = S = 1,448 for G = 1), so that dK and dV are one bf16 GEMM each (backward_group):
 # fwd+bwd 11-17% faster at L = 512-1,536 (measured; at 2,048 one block is 20% slower)
 ONE_BLOCK_BYTES_BF16 = 8 * 2**20
+# the C++ kernel's brgemm path (bf16): query rows of one head per block, its float32 scores
+# and dP in L2 beside the packed K, V
+BRGEMM_ROWS = 64
 LOG2E = 1.0 / math.log(2.0)
 # a row max past this (in the plan's unit) gets P from the max and the sum apart in the backward:
 # the lse's rounding (half an ulp of the max, 2^-14 here) would otherwise count against P
@@ -273,14 +276,27 @@ class _Plan:
             rows = max(1, min(self.L, BLOCK_ROWS, BLOCK_BYTES // (self.G * self.S * 4)))
         threads = cpu_flash_native.threads()
         groups = 1  # (batch row, kv head) groups per block: short sequences take several, in
-        if rows == self.L:  # batched products, while their scores fit and each thread gets ~3
+        brgemm = self.brgemm()
+        if brgemm:  # a head's rows per block, a group per task (products accumulate in float32)
+            rows = min(self.L, BRGEMM_ROWS)
+        elif rows == self.L:  # batched products, while their scores fit and each thread gets ~3
             fit = BLOCK_BYTES // (self.G * self.L * self.S * 4)
             groups = max(1, min(fit, -(-self.B * self.Hkv // (3 * threads))))
         causal = self.offset is not None
         return (
             mask, causal, self.offset if causal else 0, self.scale, rows, groups, self.width,
-            self.dropped if self.p > 0 else 0, self.keep, self.seed, threads,
+            self.dropped if self.p > 0 else 0, self.keep, self.seed, threads, brgemm,
         )  # fmt: skip
+
+    def brgemm(self):
+        """Whether the C++ kernel's products go through oneDNN's brgemm (bfloat16, even head
+        dims, a CPU it packs for), else through at::bmm."""
+        return (
+            self.mm_dtype == torch.bfloat16
+            and self.E % 2 == 0
+            and self.Ev % 2 == 0
+            and cpu_flash_native.brgemm()
+        )
 
     def load(self, q, k, v):
         """The compute-dtype q (B, Hkv, G, L, E), k, v (16-bit widened once, unless native)."""

@@ -73,6 +73,17 @@ def module():
     return _state.get("module")
 
 
+def brgemm() -> bool:
+    """Whether the C++ kernel's bfloat16 products may go through oneDNN's brgemm here (the
+    build has it and oneDNN packs for this CPU: AMX or AVX512-BF16); else they are at::bmm."""
+    mod = module()
+    if mod is None:
+        return False
+    if "brgemm" not in _state:
+        _state["brgemm"] = bool(mod.brgemm_available())
+    return _state["brgemm"]
+
+
 def unavailable() -> str | None:
     """None when the C++ kernel serves (it is built if need be), else why not, in one line."""
     return None if module() is not None else _state["why"]
