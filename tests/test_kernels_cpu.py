@@ -25,12 +25,15 @@ from conftest import np64
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, params=["cpp", "torch-ops"])
+@pytest.fixture(autouse=True, params=["cpp", "cpp-bmm", "torch-ops"])
 def impl(request, monkeypatch):
-    """The C++ kernel (it must build here: a C++ compiler is part of the README's setup), or
-    the torch-ops blocks (as where it does not build)."""
-    if request.param == "cpp":
+    """The C++ kernel (it must build here: a C++ compiler is part of the README's setup), with
+    bfloat16 products through oneDNN's brgemm where this CPU has it ("cpp") or through at::bmm
+    ("cpp-bmm", as on CPUs without it), or the torch-ops blocks (as where it does not build)."""
+    if request.param.startswith("cpp"):
         assert cpu_flash_native.module() is not None, cpu_flash_native.unavailable()
+        if request.param == "cpp-bmm":
+            monkeypatch.setattr(cpu_flash_native, "brgemm", lambda: False)
     else:
         monkeypatch.setattr(cpu_flash_native, "module", lambda: None)
         monkeypatch.setattr(cpu_flash_native, "unavailable", lambda: "switched off by a test")

@@ -246,3 +246,83 @@ def test_a_nan_row_stays_nan(dtype):
     assert out[0, 1, 3].isnan().all() and not out[0, 1, :3].isnan().any()
     (dq,) = torch.autograd.grad(out, q, torch.ones_like(out))
     assert dq[0, 1, 3].isnan().all() and not dq[0, 0].isnan().any()
+
+
+BRGEMM = pytest.mark.skipif(
+    not cf.native_bf16() or not cpu_flash_native.brgemm(),
+    reason="this CPU has no bfloat16 brgemm (AMX or AVX512-BF16): the at::bmm path serves",
+)
+
+
+@BRGEMM
+@pytest.mark.parametrize(
+    "shape",  # (B, H, Hkv, L, S, E, Ev): row blocks of 64 and an odd tail, an odd key count,
+    # Ev over one packed column block (80); one group on two threads (its blocks dealt out)
+    [(1, 4, 2, 150, 133, 64, 80), (2, 2, 1, 67, 67, 32, 32), (1, 2, 1, 130, 97, 16, 8)],
+    ids=str,
+)
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+@pytest.mark.parametrize("alignment", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_brgemm_gradients_within_twice_the_control_error(
+    monkeypatch, shape, mask_kind, alignment, threads
+):
+    """bfloat16 through brgemm, forward and gradients, against float64: error <= 2x the
+    readable formula's in bfloat16 (the control), and the at::bmm path's results as close."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    B, H, Hkv, L, S, E, Ev = shape
+    g = torch.Generator().manual_seed(5)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(B, 1, L, S, generator=g) > 0.3
+        mask[0, 0, L // 2] = False  # a dead row
+    elif mask_kind == "float":
+        mask = torch.randn(1, H, L, S, generator=g).masked_fill(
+            torch.rand(1, H, L, S, generator=g) > 0.7, float("-inf")
+        )
+    up = torch.randn(B, H, L, Ev, generator=g)
+    assert "brgemm" in describe(*inputs(*shape, dtype=torch.bfloat16), alignment)
+
+    def run(fn, dtype):
+        q, k, v = inputs(*shape, dtype=dtype, seed=6, grad=True)
+        m = mask.to(dtype) if mask is not None and mask.is_floating_point() else mask
+        out = fn(q, k, v, m, alignment, 0.125, 0.0)
+        out = out[0] if isinstance(out, tuple) else out
+        return (out, *torch.autograd.grad(out, (q, k, v), up.to(dtype)))
+
+    truth = run(_eager, torch.float64)
+    ours = run(flash_attention, torch.bfloat16)
+    control = run(_eager, torch.bfloat16)
+    for name, t, o, c in zip(("out", "dq", "dk", "dv"), truth, ours, control, strict=True):
+        err, err_control = (o.double() - t).abs().max(), (c.double() - t).abs().max()
+        assert err <= 2 * err_control, (name, float(err), float(err_control))
+
+
+@BRGEMM
+def test_bf16_brgemm_never_reads_a_hidden_key(monkeypatch):
+    """Products over an odd count of visible keys read the packed pair (N-1, N): key N, hidden
+    from the block (causal), must count as 0 there, not as 0 * its value (inf: NaN)."""
+    monkeypatch.setattr(cf, "BRGEMM_ROWS", 5)  # block 0: rows 0:5, keys 0:5 of 12
+    q, k, v = inputs(1, 2, 1, 12, 12, 8, 8, dtype=torch.bfloat16, grad=True)
+    with torch.no_grad():
+        k[:, :, 5] = float("inf")
+        v[:, :, 5] = float("inf")
+    out = flash_attention(q, k, v, None, "top_left", 0.5, 0.0)
+    (dq,) = torch.autograd.grad(out, q, torch.ones_like(out))
+    q0, k0, v0 = (t.detach()[:, :, :5] for t in (q, k, v))
+    want = _eager(q0.double(), k0.double(), v0.double(), None, "top_left", 0.5, 0.0)[0]
+    assert torch.isfinite(out[:, :, :5]).all() and torch.isfinite(dq[:, :, :5]).all()
+    assert (out[:, :, :5].double() - want).abs().max() < 0.02
+
+
+@BRGEMM
+def test_bf16_brgemm_dropout_keeps_the_float32_draws(monkeypatch):
+    """The keep mask is a function of (seed, row, column): bfloat16 through brgemm drops the
+    same weights as float32 through the at::bmm blocks."""
+    q, k, _ = inputs(2, 4, 2, 70, 29, 8, 8)
+    eye = torch.eye(29).expand(2, 2, 29, 29)
+    torch.manual_seed(7)
+    want = flash_attention(q, k, eye, None, None, 0.5, 0.3) != 0
+    torch.manual_seed(7)
+    got = flash_attention(q.bfloat16(), k.bfloat16(), eye.bfloat16(), None, None, 0.5, 0.3) != 0
+    assert torch.equal(got, want)

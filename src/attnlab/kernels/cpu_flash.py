@@ -129,6 +129,11 @@ def describe(q, k, v, alignment) -> str:
         if cpu_flash_native.threads() != torch.get_num_threads():
             threads = "1 (a forked child: OpenMP's threads do not survive fork)"
         rows, groups = plan.native_args()[4:6]
+        if plan.brgemm():
+            products += " (oneDNN brgemm, packed K and V, float32 sums)"
+        elif plan.mm_dtype == torch.bfloat16:
+            why = "odd head dims" if plan.E % 2 or plan.Ev % 2 else "no brgemm for this CPU"
+            products += f" (at::bmm; {why})"
         return (
             f"blocked CPU kernel (C++, cpu_flash.cpp): {plan.G}*{rows} query rows of "
             f"{groups} kv head(s) x every visible key per block, {products} products, "
