@@ -31,6 +31,9 @@
 #if __has_include(<ATen/native/CPUBlas.h>)
 #include <ATen/native/CPUBlas.h>
 #endif
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(__AVX512BF16__)
+#define ATTNLAB_BRGEMM 1  // bfloat16 products through oneDNN's brgemm (see below)
+#endif
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -187,10 +190,10 @@ struct Slot {
 constexpr size_t kKeptBytes = size_t(64) << 20;
 struct Scratch {
   Slot q, s, pm, o, t, keep, words, pf, w, dp, dsm;
-  Slot kt_p, vt_p, kv_p, dkt, dvt, w_p, ds_p, qt, dot;  // (brgemm: packed operands, sums)
+  Slot kvt, qt_p, dot_p, q_p, do_p, pt_p;  // (brgemm: K^T or V^T, packed operands)
   void trim() {
-    Slot* slots[] = {&q,    &s,    &pm,   &o,   &t,   &keep, &words, &pf,  &w,  &dp,
-                     &dsm,  &kt_p, &vt_p, &kv_p, &dkt, &dvt, &w_p,   &ds_p, &qt, &dot};
+    Slot* slots[] = {&q,  &s,    &pm,    &o,   &t,    &keep, &words, &pf, &w,
+                     &dp, &dsm,  &kvt,   &qt_p, &dot_p, &q_p, &do_p, &pt_p};
     size_t total = 0;
     for (Slot* slot : slots) total += slot->bytes;
     if (total > kKeptBytes)
@@ -451,13 +454,20 @@ void backward_group(const Params& p, const Tensor& do3, const Tensor& q3, const 
 
 // ---- bfloat16 products through oneDNN's brgemm (AMX tiles where the CPU has them) ----
 //
-// The same blocks, with each product C = A B a series of brgemm calls: A (M x K) row-major,
-// B "packed" -- column blocks of kCols, each (K/2, kCols, 2), row pairs interleaved (VNNI) --
-// C float32. Products in bfloat16 accumulate in float32, so a block needs not hold every row
-// (the at::bmm path above does, to round dK and dV once): blocks of p.rows (~64) query rows
-// per head keep their scores in L2, and dK, dV add up in float32 over the row blocks. Scores
-// and dP are float32, never rounded to 16 bits.
-#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+// A block is query rows r0:r0+R (R <= 64) of one head against its visible keys 0:N, kept
+// key-major: St = K Q^T (N x R), so that each product is one or two brgemm calls (B's
+// packed column blocks hold <= 64 columns: here the block's R rows) with a long M (the keys),
+// and each row's softmax runs down a column, 16 rows to a vector:
+//
+//   forward:   St = K Q^T    P^T = softmax over each column    O^T = V^T P^T
+//   backward:  St = K Q^T    dP^T = V dO^T    D = sum_j W dP    dS = W dP - P D
+//              dV += W^T dO    dK += s dS^T Q    dQ^T = s K^T dS^T
+//
+// brgemm: C (M x N, float32) = A (M x K, bfloat16, row-major) B (K x N, bfloat16 "packed":
+// column blocks of kCols, each (K/2, kCols, 2), row pairs interleaved). Products accumulate in
+// float32 (dK and dV over the row blocks, in place in the float32 gradients); St and dP^T are
+// float32, never rounded to 16 bits.
+#if defined(ATTNLAB_BRGEMM)
 namespace cb = at::native::cpublas;
 using bf16 = at::BFloat16;
 constexpr int64_t kCols = 64;  // a packed block's columns (oneDNN takes 16, 32, 48 or 64)
@@ -499,67 +509,12 @@ Packed pack_rows(const bf16* x, int64_t K, int64_t N, int64_t ld, void* out) {
   return b;
 }
 
-// B = X^T from X's N rows of K (K even, leading dimension ld): row pairs of B are column pairs
-// of X, so each 32-bit word of B is one of X's.
-Packed pack_transposed(const bf16* x, int64_t N, int64_t K, int64_t ld, void* out) {
-  Packed b{static_cast<bf16*>(out), K, N};
-  for (int64_t c0 = 0; c0 < N; c0 += kCols) {
-    const int64_t nc = std::min(kCols, N - c0);
-    uint32_t* blk = reinterpret_cast<uint32_t*>(b.data + c0 / kCols * b.block());
-    for (int64_t c = 0; c < nc; ++c) {
-      const bf16* row = x + (c0 + c) * ld;
-      for (int64_t k = 0; k < K; k += 2) {
-        uint32_t word;
-        std::memcpy(&word, row + k, sizeof(word));
-        blk[k / 2 * kCols + c] = word;
-      }
-    }
-    for (int64_t k = 0; k < K; k += 2) std::fill(blk + k / 2 * kCols + nc, blk + (k / 2 + 1) * kCols, 0u);
-  }
-  return b;
-}
-
-// C (M x N, leading dimension ldc) = A B, or += with add: A's first K (even(K)) columns (lda)
-// by B's first K rows (K <= B.K) and first N columns.
-void gemm(int64_t M, int64_t N, int64_t K, const bf16* A, int64_t lda, const Packed& B, float* C,
-          int64_t ldc, bool add) {
-  for (int64_t c0 = 0; c0 < N; c0 += kCols)
-    cb::brgemm(M, std::min(kCols, N - c0), even(K), lda, kCols, ldc, add, A,
-               B.data + c0 / kCols * B.block(), C + c0, /*is_vnni=*/true);
-}
-
-// While alive, row K of a packed B (K odd, K < B.K) reads 0: a product over its first K rows
-// then reads K + 1 (the pair), and row K is a key this block cannot see (one that may hold
-// inf: 0 * inf would be NaN).
-struct HiddenRow {
-  Packed B;
-  int64_t K;
-  std::vector<uint16_t> kept;
-  HiddenRow(const Packed& b, int64_t k) : B(b), K(k) {
-    if (K % 2 == 0 || K >= B.K) return;
-    for (int64_t c0 = 0; c0 < B.N; c0 += kCols) {
-      uint16_t* pair = reinterpret_cast<uint16_t*>(B.data + c0 / kCols * B.block() + K / 2 * 2 * kCols);
-      for (int64_t c = 0; c < kCols; ++c) {
-        kept.push_back(pair[2 * c + 1]);
-        pair[2 * c + 1] = 0;
-      }
-    }
-  }
-  ~HiddenRow() {
-    if (kept.empty()) return;
-    size_t n = 0;
-    for (int64_t c0 = 0; c0 < B.N; c0 += kCols) {
-      uint16_t* pair = reinterpret_cast<uint16_t*>(B.data + c0 / kCols * B.block() + K / 2 * 2 * kCols);
-      for (int64_t c = 0; c < kCols; ++c) pair[2 * c + 1] = kept[n++];
-    }
-  }
-};
-
-// pack_rows of X * scale from float32 rows (rounded to bfloat16 as store_bf16 rounds).
-Packed pack_rows(const float* x, int64_t K, int64_t N, int64_t ld, void* out, float scale) {
+// pack_rows of X from float32 rows, column c times col_scale[c] (rounded to bfloat16 as
+// store_bf16 rounds).
+Packed pack_rows(const float* x, int64_t K, int64_t N, int64_t ld, void* out,
+                 const float* col_scale) {
   Packed b{static_cast<bf16*>(out), K, N};
 #if defined(__AVX512BF16__)
-  const __m512 s = _mm512_set1_ps(scale);
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                          16, 0);  // (a0 b0 a1 b1 ... from a0..a15 b0..b15)
@@ -575,6 +530,7 @@ Packed pack_rows(const float* x, int64_t K, int64_t N, int64_t ld, void* out, fl
 #if defined(__AVX512BF16__)
       if (hi != nullptr) {
         for (; c + 16 <= nc; c += 16) {
+          const __m512 s = _mm512_loadu_ps(col_scale + c0 + c);
           const __m512bh ab = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(hi + c), s),
                                                   _mm512_mul_ps(_mm512_loadu_ps(lo + c), s));
           _mm512_storeu_si512(o + 2 * c, _mm512_permutexvar_epi16(
@@ -583,8 +539,9 @@ Packed pack_rows(const float* x, int64_t K, int64_t N, int64_t ld, void* out, fl
       }
 #endif
       for (; c < nc; ++c) {
-        o[2 * c] = static_cast<bf16>(lo[c] * scale);
-        o[2 * c + 1] = hi != nullptr ? static_cast<bf16>(hi[c] * scale) : bf16(0.f);
+        const float s = col_scale[c0 + c];
+        o[2 * c] = static_cast<bf16>(lo[c] * s);
+        o[2 * c + 1] = hi != nullptr ? static_cast<bf16>(hi[c] * s) : bf16(0.f);
       }
       std::fill(o + 2 * nc, o + 2 * kCols, bf16(0.f));
     }
@@ -592,8 +549,29 @@ Packed pack_rows(const float* x, int64_t K, int64_t N, int64_t ld, void* out, fl
   return b;
 }
 
-// out (X x R') = x^T, x's R rows of X (leading dimension ld); R' = even(R) with a zero last
-// column when R is odd. In tiles of 16 x 16, so that reads and writes stay in a few lines.
+// B = X^T from X's N rows of K (K even, leading dimension ld): row pairs of B are column pairs
+// of X, so each 32-bit word of B is one of X's.
+Packed pack_transposed(const bf16* x, int64_t N, int64_t K, int64_t ld, void* out) {
+  Packed b{static_cast<bf16*>(out), K, N};
+  for (int64_t c0 = 0; c0 < N; c0 += kCols) {
+    const int64_t nc = std::min(kCols, N - c0);
+    uint32_t* blk = reinterpret_cast<uint32_t*>(b.data + c0 / kCols * b.block());
+    for (int64_t c = 0; c < nc; ++c) {
+      const bf16* row = x + (c0 + c) * ld;
+      for (int64_t k = 0; k < K; k += 2) {
+        uint32_t word;
+        std::memcpy(&word, row + k, sizeof(word));
+        blk[k / 2 * kCols + c] = word;
+      }
+    }
+    for (int64_t k = 0; k < K; k += 2)
+      std::fill(blk + k / 2 * kCols + nc, blk + (k / 2 + 1) * kCols, 0u);
+  }
+  return b;
+}
+
+// out (X x R, leading dimension ld_out) = x^T, x's R rows of X (leading dimension ld); in
+// tiles of 16 x 16, so that reads and writes stay in a few cache lines.
 template <typename T>
 void transpose(const T* x, int64_t R, int64_t X, int64_t ld, T* out, int64_t ld_out) {
   constexpr int64_t kTile = 16;
@@ -607,124 +585,419 @@ void transpose(const T* x, int64_t R, int64_t X, int64_t ld, T* out, int64_t ld_
   }
 }
 
-// Query rows r0:r1 of every head of group gi (batch row, kv head), rows first, first +
-// stride, ... in blocks of p.rows: K and V packed once for all of them.
+// y (16 x 16, leading dimension ldy) = x^T (x: 16 x 16, ldx) in registers: four exchanges of
+// the off-diagonal blocks, 8 x 8 down to 1 x 1 ([[A, B], [C, D]] -> [[A, C], [B, D]]).
+inline void transpose16(const float* x, int64_t ldx, float* y, int64_t ldy) {
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(x + i * ldx);
+  for (int b = 8; b >= 1; b /= 2) {
+    alignas(64) int32_t lo[16], hi[16];
+    for (int j = 0; j < 16; ++j) {
+      lo[j] = (j & b) ? 16 + j - b : j;  // row i: its own block, then its partner's
+      hi[j] = (j & b) ? 16 + j : j + b;  // row i + b: its partner's block, then its own
+    }
+    const __m512i lo_v = _mm512_load_si512(lo), hi_v = _mm512_load_si512(hi);
+    for (int i = 0; i < 16; ++i) {
+      if (i & b) continue;
+      const __m512 a = r[i], c = r[i + b];
+      r[i] = _mm512_permutex2var_ps(a, lo_v, c);
+      r[i + b] = _mm512_permutex2var_ps(a, hi_v, c);
+    }
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(y + i * ldy, r[i]);
+}
+
+// transpose for float32: whole 16 x 16 tiles in registers, the edges as above.
+void transpose(const float* x, int64_t R, int64_t X, int64_t ld, float* out, int64_t ld_out) {
+  const int64_t R16 = R / 16 * 16, X16 = X / 16 * 16;
+  for (int64_t r0 = 0; r0 < R16; r0 += 16)
+    for (int64_t c0 = 0; c0 < X16; c0 += 16)
+      transpose16(x + r0 * ld + c0, ld, out + c0 * ld_out + r0, ld_out);
+  if (X16 < X) transpose<float>(x + X16, R, X - X16, ld, out + X16 * ld_out, ld_out);
+  if (R16 < R) transpose<float>(x + R16 * ld, R - R16, X16, ld, out + R16, ld_out);
+}
+
+// C (M x N, leading dimension ldc) = A B, or += with add: A's first even(K) columns (lda) by
+// B's first even(K) rows and first N columns.
+void gemm(int64_t M, int64_t N, int64_t K, const bf16* A, int64_t lda, const Packed& B, float* C,
+          int64_t ldc, bool add) {
+  for (int64_t c0 = 0; c0 < N; c0 += kCols)
+    cb::brgemm(M, std::min(kCols, N - c0), even(K), lda, kCols, ldc, add, A,
+               B.data + c0 / kCols * B.block(), C + c0, /*is_vnni=*/true);
+}
+
+// While alive, column K of A (M rows, leading dimension lda; K odd) reads 0: a product over
+// A's first K columns reads K + 1 (B's rows come in pairs), and column K is a key the block
+// cannot see (one that may hold inf: 0 * inf would be NaN).
+struct HiddenColumn {
+  bf16* A;
+  int64_t M, lda, K;
+  std::vector<bf16> kept;
+  HiddenColumn(bf16* a, int64_t m, int64_t ld, int64_t k, int64_t width)
+      : A(a), M(m), lda(ld), K(k) {
+    if (K % 2 == 0 || K >= width) return;  // (K = width: the pad column, 0 already)
+    kept.resize(M);
+    for (int64_t r = 0; r < M; ++r) {
+      kept[r] = A[r * lda + K];
+      A[r * lda + K] = bf16(0.f);
+    }
+  }
+  ~HiddenColumn() {
+    for (int64_t r = 0; r < static_cast<int64_t>(kept.size()); ++r) A[r * lda + K] = kept[r];
+  }
+};
+
+// A block's columns: St (N x Rs, Rs = R rounded up to 16: whole vectors; the lanes past R are
+// carried along and never read out) for rows r0:r0+R of head g of group gi.
+struct Block {
+  int64_t N, R, Rs, gi, g, r0, row0;  // row0: the block's first row in (B, H, L)
+  int nv() const { return static_cast<int>(Rs / 16); }
+};
+
+// The block's raw products St in place: -inf where masked (bool) or past the causal limit;
+// with a float mask (or a scale <= 0), scaled and biased: t = s St + bias. Returns the unit
+// that takes them to base-2 exponents: log2(e) s, or log2(e) when scaled here.
+float scores_cols(const Params& p, float* st, const Block& b) {
+  const int64_t N = b.N, R = b.R, Rs = b.Rs;
+  const bool scaled = p.mask_kind == 2 || !(p.scale > 0.f);
+  if (scaled)
+    for (int64_t x = 0; x < N * Rs; ++x) st[x] *= p.scale;
+  if (p.mask_kind != 0) {
+    const int64_t base = (b.gi / p.Hkv) * p.ms[0] + (b.gi % p.Hkv) * p.ms[1] + b.g * p.ms[2] +
+                         b.r0 * p.ms[3];
+    const int64_t down = p.ms[3], across = p.ms[4];
+    for (int64_t c = 0; c < N; ++c) {
+      float* row = st + c * Rs;
+      if (p.mask_kind == 1) {
+        const uint8_t* m = static_cast<const uint8_t*>(p.mask) + base + c * across;
+        for (int64_t i = 0; i < R; ++i) row[i] = m[i * down] ? -kInf : row[i];
+      } else {
+        const float* m = static_cast<const float*>(p.mask) + base + c * across;
+        for (int64_t i = 0; i < R; ++i) row[i] += m[i * down];
+      }
+    }
+  }
+  if (p.causal) {  // row i sees key c iff c <= r0 + i + offset
+    for (int64_t c = std::max<int64_t>(0, b.r0 + p.offset + 1); c < N; ++c)
+      std::fill(st + c * Rs, st + c * Rs + std::min<int64_t>(R, c - b.r0 - p.offset), -kInf);
+  }
+  return scaled ? kLog2e : p.scale * kLog2e;
+}
+
+// Multiplies column i of W (N x Rs) by row row0+i's keep mask (1 / rho or 0): the same draws
+// as keep_row's, word w of a row's stream giving its columns w*per_word...
+void drop_cols(const Params& p, float* w, const Block& b, uint64_t* keys) {
+  const int64_t N = b.N, R = b.R, Rs = b.Rs;
+  const int per_word = 64 / p.width;
+  const uint64_t lane = p.width == 16 ? 0xffffULL : 0xffffffffULL;
+  for (int64_t i = 0; i < R; ++i)
+    keys[i] = mix64(p.seed ^ mix64(static_cast<uint64_t>(b.row0 + i) + 1));
+  const float inv_keep = p.inv_keep;
+  const uint64_t dropped = p.dropped;
+  for (int64_t c0 = 0, word = 1; c0 < N; c0 += per_word, ++word) {
+    const uint64_t step = static_cast<uint64_t>(word) * 0x9e3779b97f4a7c15ULL;
+    const int64_t nc = std::min<int64_t>(per_word, N - c0);
+    for (int64_t i = 0; i < R; ++i) {
+      const uint64_t bits = mix64(keys[i] + step);
+      for (int64_t t = 0; t < nc; ++t)
+        w[(c0 + t) * Rs + i] *= ((bits >> (p.width * t)) & lane) >= dropped ? inv_keep : 0.f;
+    }
+  }
+}
+
+// exp2_nonpositive on 16 lanes, for bfloat16 products: 2^x for x <= 0 (-inf gives 0, NaN
+// stays NaN, under 2^-126 0), 2^f on |f| <= 1/2 from a degree-5 polynomial fitted for relative
+// error (2.3e-7: under float32's rounding of the products that feed it, 2^-9 of bfloat16's).
+inline __m512 exp2_nonpositive(__m512 x) {
+  const __m512 low = _mm512_set1_ps(-126.f);
+  const __m512 xc = _mm512_max_ps(low, x);  // (NaN stays: max_ps returns its second operand)
+  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(xc, n);
+  __m512 q = _mm512_set1_ps(1.3266970386325856e-03f);
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(9.6754597455176700e-03f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(5.5507426160025500e-02f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(2.4022121753561645e-01f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(6.9314694916106310e-01f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0000000710296983f));
+  const __m512 r = _mm512_scalef_ps(q, n);  // q 2^n
+  return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ), _mm512_setzero_ps());
+}
+
+// 16 floats to bfloat16 (to nearest even), the lanes past `valid` 0.
+inline __m256i to_bf16(__m512 x, __mmask16 valid) {
+  const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(valid, x));
+  return reinterpret_cast<const __m256i&>(h);
+}
+
+inline __mmask16 lanes(int64_t R, int v) {  // lanes of vector v below R
+  const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, R - 16 * v));
+  return static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// Forward: each column's softmax (exponentials in place of the scores), the rows' stats, and
+// P^T Z / rho packed for brgemm (key pairs interleaved) into out.
+template <int NV>
+void softmax_cols(const Params& p, float* st, const Block& b, float unit, float* stats,
+                  uint64_t* keys, void* out) {
+  const int64_t N = b.N, Rs = 16 * NV;
+  __m512 m[NV], total[NV];
+  for (int v = 0; v < NV; ++v) m[v] = _mm512_set1_ps(-kInf);
+  for (int64_t c = 0; c < N; ++c)
+    for (int v = 0; v < NV; ++v) m[v] = _mm512_max_ps(_mm512_loadu_ps(st + c * Rs + 16 * v), m[v]);
+  __m512 shift[NV];  // (a dead row's -inf scores less 0: weights 0)
+  for (int v = 0; v < NV; ++v) {
+    shift[v] = _mm512_mask_mov_ps(m[v], _mm512_cmp_ps_mask(m[v], _mm512_set1_ps(-kInf), _CMP_EQ_OQ),
+                                  _mm512_setzero_ps());
+    total[v] = _mm512_setzero_ps();
+  }
+  const __m512 u = _mm512_set1_ps(unit);
+  for (int64_t c = 0; c < N; ++c) {
+    for (int v = 0; v < NV; ++v) {
+      float* t = st + c * Rs + 16 * v;
+      const __m512 e = exp2_nonpositive(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(t), shift[v]), u));
+      _mm512_storeu_ps(t, e);
+      total[v] = _mm512_add_ps(total[v], e);
+    }
+  }
+  alignas(64) float mf[64], tf[64], norm[64];
+  for (int v = 0; v < NV; ++v) {
+    _mm512_store_ps(mf + 16 * v, m[v]);
+    _mm512_store_ps(tf + 16 * v, total[v]);
+  }
+  const float to_natural = unit / kLog2e;  // (the scale where the scores were not scaled)
+  for (int64_t i = 0; i < b.R; ++i) {
+    float* s2 = stats + (b.row0 + i) * 2;
+    if (mf[i] == -kInf) {  // no visible key: dead (+inf, 0), or a NaN row
+      if (tf[i] != tf[i]) s2[0] = kNaN;
+    } else {
+      s2[0] = mf[i] * to_natural;
+      s2[1] = std::log(tf[i]);
+    }
+    norm[i] = tf[i] == 0.f ? 0.f : 1.f / tf[i];  // (NaN stays NaN)
+  }
+  if (p.dropout) drop_cols(p, st, b, keys);
+  pack_rows(st, N, b.R, Rs, out, norm);
+}
+
+// Backward, first pass: P (in place of St) and W = P Z / rho (in w, or P itself), W^T in 16
+// bits (wb, N x Rs, 0 past R) and D = sum_j W dP (0 where P is) into d.
+template <int NV>
+void probabilities_cols(const Params& p, float* st, float* w, const float* dpt, const Block& b,
+                        float unit, const float* stats, uint64_t* keys, bf16* wb, float* d_out) {
+  const int64_t N = b.N, Rs = 16 * NV;
+  alignas(64) float shift[64], inv_total[64];
+  for (int64_t i = 0; i < Rs; ++i) {  // (a dead row: +inf, weights 0; a NaN row: NaN)
+    const bool row = i < b.R;
+    shift[i] = row ? stats[(b.row0 + i) * 2] : kInf;
+    inv_total[i] = row ? std::exp(-stats[(b.row0 + i) * 2 + 1]) : 0.f;
+  }
+  const __m512 sf = _mm512_set1_ps(unit / kLog2e), l2e = _mm512_set1_ps(kLog2e);
+  __m512 sh[NV], it[NV];
+  for (int v = 0; v < NV; ++v) {
+    sh[v] = _mm512_load_ps(shift + 16 * v);
+    it[v] = _mm512_load_ps(inv_total + 16 * v);
+  }
+  __m512 d[NV];
+  for (int v = 0; v < NV; ++v) d[v] = _mm512_setzero_ps();
+  const __m512 zero = _mm512_setzero_ps();
+  // D (over the live weights only: a hidden key's dP may be inf), and W^T in 16 bits
+  auto take = [&](int64_t x, int v, __m512 pr, __m512 wv) {
+    const __mmask16 live = _mm512_cmp_ps_mask(pr, zero, _CMP_NEQ_UQ);
+    d[v] = _mm512_mask3_fmadd_ps(wv, _mm512_loadu_ps(dpt + x), d[v], live);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + x), to_bf16(wv, lanes(b.R, v)));
+  };
+  for (int64_t c = 0; c < N; ++c) {  // P = 2^(log2(e) (t - m)) / l
+    for (int v = 0; v < NV; ++v) {
+      const int64_t x = c * Rs + 16 * v;
+      const __m512 y = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_loadu_ps(st + x), sf, sh[v]), l2e);
+      const __m512 pr = _mm512_mul_ps(exp2_nonpositive(y), it[v]);
+      _mm512_storeu_ps(st + x, pr);
+      if (!p.dropout) take(x, v, pr, pr);  // (W = P)
+    }
+  }
+  if (p.dropout) {
+    std::copy(st, st + N * Rs, w);
+    drop_cols(p, w, b, keys);
+    for (int64_t c = 0; c < N; ++c)
+      for (int v = 0; v < NV; ++v) {
+        const int64_t x = c * Rs + 16 * v;
+        take(x, v, _mm512_loadu_ps(st + x), _mm512_loadu_ps(w + x));
+      }
+  }
+  for (int v = 0; v < NV; ++v) _mm512_storeu_ps(d_out + 16 * v, d[v]);
+}
+
+// Backward, second pass: s dS = s (W dP - P D) (0 where P is, and past R) in 16 bits, as rows
+// (dsb, N x Rs) and packed for brgemm (ds_p: key pairs interleaved, kCols columns).
+template <int NV>
+void score_grads_cols(const Params& p, const float* st, const float* w, const float* dpt,
+                      const Block& b, const float* d_in, bf16* dsb, bf16* ds_p) {
+  const int64_t N = b.N, Rs = 16 * NV;
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 d[NV];
+  for (int v = 0; v < NV; ++v) d[v] = _mm512_loadu_ps(d_in + 16 * v);
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);  // (a0 b0 a1 b1 ... from a0..a15 b0..b15)
+  for (int64_t c = 0; c < N; c += 2) {  // s dS for keys c, c+1: row-major and packed (pairs)
+    __m512 ds[2][NV];
+    for (int h = 0; h < 2; ++h) {
+      for (int v = 0; v < NV; ++v) {
+        if (c + h >= N) {
+          ds[h][v] = zero;
+          continue;
+        }
+        const int64_t x = (c + h) * Rs + 16 * v;
+        const __m512 pr = _mm512_loadu_ps(st + x), wv = _mm512_loadu_ps(w + x);
+        const __mmask16 live = _mm512_cmp_ps_mask(pr, zero, _CMP_NEQ_UQ) & lanes(b.R, v);
+        const __m512 g = _mm512_fmsub_ps(wv, _mm512_loadu_ps(dpt + x), _mm512_mul_ps(pr, d[v]));
+        ds[h][v] = _mm512_maskz_mul_ps(live, g, scale);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsb + x), to_bf16(ds[h][v], 0xffff));
+      }
+    }
+    bf16* o = ds_p + c / 2 * 2 * kCols;
+    for (int v = 0; v < kCols / 16; ++v) {
+      if (v < NV) {
+        const __m512bh ab = _mm512_cvtne2ps_pbh(ds[1][v], ds[0][v]);
+        _mm512_storeu_si512(o + 32 * v, _mm512_permutexvar_epi16(pairs, reinterpret_cast<const __m512i&>(ab)));
+      } else {
+        _mm512_storeu_si512(o + 32 * v, _mm512_setzero_si512());
+      }
+    }
+  }
+}
+
+// f.template operator()<NV>() for the block's vectors per key (1 to 4).
+template <typename F>
+void for_vectors(int nv, F f) {
+  switch (nv) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// Rows r0:r0+R of every head of group gi (batch row, kv head), r0 = first, first + stride, ...
+// blocks of p.rows (<= 64): V^T made once for all of them.
 void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, const Tensor& v3,
                           Tensor& out3, float* stats, int64_t gi, int64_t first, int64_t stride,
                           Scratch& sc) {
-  const int64_t G = p.G, L = p.L, S = p.S, E = p.E, Ev = p.Ev, ld = even(S);
+  const int64_t G = p.G, L = p.L, S = p.S, E = p.E, Ev = p.Ev, ld = even(S), rows = p.rows;
+  const int64_t rows_s = (rows + 15) / 16 * 16;
   const bf16* q = q3.data_ptr<bf16>() + gi * q3.stride(0);
   const bf16* k = k3.data_ptr<bf16>() + gi * k3.stride(0);
   const bf16* v = v3.data_ptr<bf16>() + gi * v3.stride(0);
   bf16* out = out3.data_ptr<bf16>() + gi * out3.stride(0);
   const int64_t ldq = q3.stride(1), ldk = k3.stride(1), ldv = v3.stride(1);
-  const Packed kt = pack_transposed(k, S, E, ldk, sc.kt_p.get(Packed::bytes(E, S)));
-  const Packed vp = pack_rows(v, S, Ev, ldv, sc.kv_p.get(Packed::bytes(S, Ev)));
-  float* s = static_cast<float*>(sc.s.get(p.rows * ld * sizeof(float)));
-  bf16* pm = static_cast<bf16*>(sc.pm.get(p.rows * ld * sizeof(bf16)));
-  float* o = static_cast<float*>(sc.o.get(p.rows * Ev * sizeof(float)));
-  float* t = static_cast<float*>(sc.t.get(S * sizeof(float)));
-  float* keep = p.dropout ? static_cast<float*>(sc.keep.get(S * sizeof(float))) : nullptr;
-  uint64_t* words =
-      p.dropout ? static_cast<uint64_t*>(sc.words.get((S / 2 + 8) * sizeof(uint64_t))) : nullptr;
-  for (int64_t r0 = first * p.rows; r0 < L; r0 += stride * p.rows) {
-    const int64_t R = std::min(L, r0 + p.rows) - r0, N = block_keys(p, r0 + R), Np = even(N);
+  bf16* vt = static_cast<bf16*>(sc.kvt.get(Ev * ld * sizeof(bf16)));  // V^T (Ev x S)
+  transpose(v, S, Ev, ldv, vt, ld);
+  if (S < ld)
+    for (int64_t e = 0; e < Ev; ++e) vt[e * ld + S] = bf16(0.f);
+  float* st = static_cast<float*>(sc.s.get(ld * rows_s * sizeof(float)));
+  void* qt_p = sc.qt_p.get(Packed::bytes(E, rows));
+  void* pt_p = sc.pt_p.get(Packed::bytes(ld, rows));
+  float* ot = static_cast<float*>(sc.o.get(Ev * rows * sizeof(float)));
+  float* o = static_cast<float*>(sc.pf.get(rows * Ev * sizeof(float)));
+  uint64_t* keys = static_cast<uint64_t*>(sc.t.get(rows * sizeof(uint64_t)));
+  for (int64_t r0 = first * rows; r0 < L; r0 += stride * rows) {
+    const int64_t R = std::min(L, r0 + rows) - r0, N = block_keys(p, r0 + R);
     for (int64_t g = 0; g < G; ++g) {
       bf16* orows = out + (g * L + r0) * Ev;
       if (N <= 0) {  // every row before the first key: dead (stats were set so)
         std::fill(orows, orows + R * Ev, bf16(0.f));
         continue;
       }
-      gemm(R, N, E, q + (g * L + r0) * ldq, ldq, kt, s, Np, false);  // S = Q K^T
-      for (int64_t i = 0; i < R; ++i)
-        weights_row<float, bf16>(p, s + i * Np, pm + i * Np, N, Np, gi, g, r0 + i, t, keep, words,
-                                 stats);
+      const Block b{N, R, (R + 15) / 16 * 16, gi, g, r0, (gi * G + g) * L + r0};
+      const Packed qt = pack_transposed(q + (g * L + r0) * ldq, R, E, ldq, qt_p);
+      gemm(N, R, E, k, ldk, qt, st, b.Rs, false);  // St = K Q^T
+      if (R < b.Rs)  // (the lanes past R: numbers, never read out)
+        for (int64_t c = 0; c < N; ++c) std::fill(st + c * b.Rs + R, st + (c + 1) * b.Rs, 0.f);
+      const float unit = scores_cols(p, st, b);
+      for_vectors(b.nv(), [&](auto nv) {
+        softmax_cols<decltype(nv)::value>(p, st, b, unit, stats, keys, pt_p);
+      });
+      const Packed pt{static_cast<bf16*>(pt_p), N, R};  // P^T Z / rho
       {
-        HiddenRow hidden(vp, N);
-        gemm(R, Ev, N, pm, Np, vp, o, Ev, false);  // O = W V
+        HiddenColumn hidden(vt, Ev, ld, N, S);
+        gemm(Ev, R, N, vt, ld, pt, ot, R, false);  // O^T = V^T P^T
       }
+      transpose(ot, Ev, R, R, o, Ev);
       store_bf16(o, orows, R * Ev);
     }
   }
 }
 
-// dQ of group gi's rows first, first + stride, ... (blocks of p.rows), and the group's dK, dV
-// summed over them into dk3, dv3 (float32, written once: this task's alone).
+// dQ of group gi's rows r0:r0+R, r0 = first, first + stride, ... (blocks of p.rows <= 64), and
+// the group's dK, dV summed over them into dk3, dv3 (float32, zero before: this task's alone).
 void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
                            const Tensor& k3, const Tensor& v3, const float* stats, Tensor& dq3,
                            Tensor& dk3, Tensor& dv3, int64_t gi, int64_t first, int64_t stride,
                            Scratch& sc) {
-  const int64_t G = p.G, L = p.L, S = p.S, E = p.E, Ev = p.Ev, ld = even(S);
-  const int64_t rows = p.rows, rows_p = even(rows);
+  const int64_t G = p.G, L = p.L, S = p.S, E = p.E, Ev = p.Ev, ld = even(S), rows = p.rows;
+  const int64_t rows_s = (rows + 15) / 16 * 16;
   const bf16* q = q3.data_ptr<bf16>() + gi * q3.stride(0);
   const bf16* dout = do3.data_ptr<bf16>() + gi * do3.stride(0);
   const bf16* k = k3.data_ptr<bf16>() + gi * k3.stride(0);
   const bf16* v = v3.data_ptr<bf16>() + gi * v3.stride(0);
   const int64_t ldq = q3.stride(1), lddo = do3.stride(1), ldk = k3.stride(1), ldv = v3.stride(1);
   float* dq = dq3.data_ptr<float>() + gi * dq3.stride(0);
-  const Packed kt = pack_transposed(k, S, E, ldk, sc.kt_p.get(Packed::bytes(E, S)));
-  const Packed vt = pack_transposed(v, S, Ev, ldv, sc.vt_p.get(Packed::bytes(Ev, S)));
-  const Packed kp = pack_rows(k, S, E, ldk, sc.kv_p.get(Packed::bytes(S, E)));
-  // dK^T (E x S) and dV^T (Ev x S): sums over the blocks, C of brgemm (B is the block's dS, W)
-  float* dkt = static_cast<float*>(sc.dkt.get(E * ld * sizeof(float)));
-  float* dvt = static_cast<float*>(sc.dvt.get(Ev * ld * sizeof(float)));
-  std::fill(dkt, dkt + E * ld, 0.f);
-  std::fill(dvt, dvt + Ev * ld, 0.f);
-  float* pf = static_cast<float*>(sc.s.get(rows * ld * sizeof(float)));  // S, then P in place
-  float* dp = static_cast<float*>(sc.dp.get(rows * ld * sizeof(float)));
-  float* w = p.dropout ? static_cast<float*>(sc.w.get(rows * ld * sizeof(float))) : pf;
-  bf16* dsm = static_cast<bf16*>(sc.dsm.get(rows * ld * sizeof(bf16)));  // s dS in 16 bits
-  void* w_p = sc.w_p.get(Packed::bytes(rows, S));
-  void* ds_p = sc.ds_p.get(Packed::bytes(rows, S));
-  bf16* qt = static_cast<bf16*>(sc.qt.get(E * rows_p * sizeof(bf16)));
-  bf16* dot = static_cast<bf16*>(sc.dot.get(Ev * rows_p * sizeof(bf16)));
-  float* dqf = static_cast<float*>(sc.o.get(rows * E * sizeof(float)));
-  float* t = static_cast<float*>(sc.t.get(S * sizeof(float)));
-  float* keep = p.dropout ? static_cast<float*>(sc.keep.get(S * sizeof(float))) : nullptr;
-  uint64_t* words =
-      p.dropout ? static_cast<uint64_t*>(sc.words.get((S / 2 + 8) * sizeof(uint64_t))) : nullptr;
-  std::vector<int64_t> visible(rows, 0);
+  float* dk = dk3.data_ptr<float>() + gi * dk3.stride(0);  // (S x E), summed in place
+  float* dv = dv3.data_ptr<float>() + gi * dv3.stride(0);  // (S x Ev)
+  bf16* kt = static_cast<bf16*>(sc.kvt.get(E * ld * sizeof(bf16)));  // K^T (E x S)
+  transpose(k, S, E, ldk, kt, ld);
+  if (S < ld)
+    for (int64_t e = 0; e < E; ++e) kt[e * ld + S] = bf16(0.f);
+  const size_t cells = ld * rows_s;
+  float* st = static_cast<float*>(sc.s.get(cells * sizeof(float)));   // St, then P^T
+  float* dpt = static_cast<float*>(sc.dp.get(cells * sizeof(float)));  // dP^T
+  float* wt = p.dropout ? static_cast<float*>(sc.w.get(cells * sizeof(float))) : st;
+  bf16* wb = static_cast<bf16*>(sc.pm.get(cells * sizeof(bf16)));  // W^T, then s dS^T: 16 bits
+  alignas(64) float d[64];  // D of the block's rows
+  void* qt_p = sc.qt_p.get(Packed::bytes(E, rows));
+  void* dot_p = sc.dot_p.get(Packed::bytes(Ev, rows));
+  void* q_p = sc.q_p.get(Packed::bytes(rows, E));
+  void* do_p = sc.do_p.get(Packed::bytes(rows, Ev));
+  bf16* ds_p = static_cast<bf16*>(sc.pt_p.get(Packed::bytes(ld, kCols)));
+  float* dqt = static_cast<float*>(sc.o.get(E * rows * sizeof(float)));
+  uint64_t* keys = static_cast<uint64_t*>(sc.t.get(rows * sizeof(uint64_t)));
   for (int64_t r0 = first * rows; r0 < L; r0 += stride * rows) {
-    const int64_t R = std::min(L, r0 + rows) - r0, N = block_keys(p, r0 + R), Np = even(N);
+    const int64_t R = std::min(L, r0 + rows) - r0, N = block_keys(p, r0 + R);
     for (int64_t g = 0; g < G; ++g) {
       float* dqrows = dq + (g * L + r0) * E;
       if (N <= 0) {
         std::fill(dqrows, dqrows + R * E, 0.f);
         continue;
       }
+      const Block b{N, R, (R + 15) / 16 * 16, gi, g, r0, (gi * G + g) * L + r0};
       const bf16* qb = q + (g * L + r0) * ldq;
       const bf16* dob = dout + (g * L + r0) * lddo;
-      gemm(R, N, E, qb, ldq, kt, pf, Np, false);      // S = Q K^T
-      gemm(R, N, Ev, dob, lddo, vt, dp, Np, false);   // dP = dO V^T
-      for (int64_t i = 0; i < R; ++i)  // P (in place of S) and W = P Z / rho, recomputed
-        visible[i] = probabilities_row<float>(p, pf + i * Np, pf + i * Np, w + i * Np, N, Np, gi,
-                                              g, r0 + i, t, keep, words, stats);
-      const Packed wb = pack_rows(w, R, N, Np, w_p, 1.f);  // (before dS takes W's place)
-      for (int64_t i = 0; i < R; ++i) {  // s dS = s (W dP - P D): float32, and 16 bits for dQ
-        float* wrow = w + i * Np;
-        score_grad_row(dp + i * Np, wrow, pf + i * Np, visible[i]);
-        store_bf16(wrow, dsm + i * Np, Np, p.scale);
+      gemm(N, R, E, k, ldk, pack_transposed(qb, R, E, ldq, qt_p), st, b.Rs, false);  // St
+      gemm(N, R, Ev, v, ldv, pack_transposed(dob, R, Ev, lddo, dot_p), dpt, b.Rs, false);  // dP^T
+      if (R < b.Rs) {  // (the lanes past R: numbers, never read out)
+        for (int64_t c = 0; c < N; ++c) {
+          std::fill(st + c * b.Rs + R, st + (c + 1) * b.Rs, 0.f);
+          std::fill(dpt + c * b.Rs + R, dpt + (c + 1) * b.Rs, 0.f);
+        }
       }
-      const Packed dsb = pack_rows(w, R, N, Np, ds_p, p.scale);
-      transpose(dob, R, Ev, lddo, dot, even(R));
-      transpose(qb, R, E, ldq, qt, even(R));
-      if (R % 2) {
-        for (int64_t e = 0; e < Ev; ++e) dot[e * even(R) + R] = bf16(0.f);
-        for (int64_t e = 0; e < E; ++e) qt[e * even(R) + R] = bf16(0.f);
-      }
-      gemm(Ev, N, R, dot, even(R), wb, dvt, ld, true);  // dV^T += dO^T W
-      gemm(E, N, R, qt, even(R), dsb, dkt, ld, true);   // dK^T += Q^T (s dS)
+      const float unit = scores_cols(p, st, b);
+      for_vectors(b.nv(), [&](auto nv) {
+        probabilities_cols<decltype(nv)::value>(p, st, wt, dpt, b, unit, stats, keys, wb, d);
+      });
+      gemm(N, Ev, R, wb, b.Rs, pack_rows(dob, R, Ev, lddo, do_p), dv, Ev, true);  // dV += W^T dO
+      for_vectors(b.nv(), [&](auto nv) {  // (s dS^T in W^T's place)
+        score_grads_cols<decltype(nv)::value>(p, st, wt, dpt, b, d, wb, ds_p);
+      });
+      gemm(N, E, R, wb, b.Rs, pack_rows(qb, R, E, ldq, q_p), dk, E, true);  // dK += s dS^T Q
+      const Packed dst{ds_p, N, R};  // s dS^T, key pairs interleaved
       {
-        HiddenRow hidden(kp, N);
-        gemm(R, E, N, dsm, Np, kp, dqf, E, false);  // dQ = (s dS) K
+        HiddenColumn hidden(kt, E, ld, N, S);
+        gemm(E, R, N, kt, ld, dst, dqt, R, false);  // dQ^T = K^T (s dS^T)
       }
-      std::copy(dqf, dqf + R * E, dqrows);  // (float32: the caller rounds once)
+      transpose(dqt, E, R, R, dqrows, E);
     }
   }
-  float* dk = dk3.data_ptr<float>() + gi * dk3.stride(0);
-  float* dv = dv3.data_ptr<float>() + gi * dv3.stride(0);
-  transpose(dkt, E, S, ld, dk, E);
-  transpose(dvt, Ev, S, ld, dv, Ev);
 }
 #else
 bool brgemm_available() { return false; }
@@ -787,9 +1060,9 @@ inline int64_t groups_per_block(const Params& p, int64_t per_block) {
 bool take_brgemm(bool asked, const Params& p, const Tensor& q5, std::vector<Tensor*> operands) {
   if (!asked) return false;
   TORCH_CHECK(brgemm_available() && q5.scalar_type() == at::kBFloat16 && p.E % 2 == 0 &&
-                  p.Ev % 2 == 0,
+                  p.Ev % 2 == 0 && p.rows <= 64,
               "attnlab cpu_flash: brgemm asked for where it does not serve (bfloat16, even head "
-              "dims, a CPU oneDNN packs for)");
+              "dims, <= 64 rows per block, a CPU oneDNN packs for)");
   for (Tensor* x : operands)
     if (x->stride(2) != 1) *x = x->contiguous();
   return true;
@@ -816,7 +1089,7 @@ std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
   Tensor stats = at::zeros({p.B, p.Hkv, p.G, p.L, 2}, q5.options().dtype(at::kFloat));
   stats.select(4, 0).fill_(kInf);
   float* st = stats.data_ptr<float>();
-#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+#if defined(ATTNLAB_BRGEMM)
   if (take_brgemm(brgemm, p, q5, {&q3, &k3, &v3})) {
     const int64_t parts = parts_for(p, groups, threads);
     run_tasks(groups * parts, threads, [&](int64_t task, Scratch& sc) {
@@ -853,7 +1126,7 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
   const int64_t groups = p.B * p.Hkv;
   Tensor q3 = q5.reshape({groups, p.G * p.L, p.E}), do3 = do5.reshape({groups, p.G * p.L, p.Ev});
   Tensor k3 = k.reshape({groups, p.S, p.E}), v3 = v.reshape({groups, p.S, p.Ev});
-#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+#if defined(ATTNLAB_BRGEMM)
   const bool use_brgemm = take_brgemm(brgemm, p, q5, {&q3, &do3, &k3, &v3});
 #else
   const bool use_brgemm = take_brgemm(brgemm, p, q5, {});
@@ -878,7 +1151,7 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
   }
   const int64_t nb = parts > 1 || use_brgemm ? 1 : groups_per_block(p, per_block);
   const int64_t chunks = (groups + nb - 1) / nb, n = chunks * parts;
-#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+#if defined(ATTNLAB_BRGEMM)
   if (use_brgemm) {
     run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
       const int64_t part = task % parts;
