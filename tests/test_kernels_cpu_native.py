@@ -326,3 +326,35 @@ def test_bf16_brgemm_dropout_keeps_the_float32_draws(monkeypatch):
     torch.manual_seed(7)
     got = flash_attention(q.bfloat16(), k.bfloat16(), eye.bfloat16(), None, None, 0.5, 0.3) != 0
     assert torch.equal(got, want)
+
+
+@BRGEMM
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_brgemm_dropout_gradients_use_the_forward_mask(monkeypatch, threads):
+    """bfloat16 through brgemm with dropout: gradients of the readable formula with the keep
+    mask recovered from the forward (V = I), within twice that formula's own bfloat16 error,
+    against float64; row blocks of 4 (one kv head: dealt out on two threads)."""
+    monkeypatch.setattr(cf, "BRGEMM_ROWS", 4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    B, H, Hkv, L, S, p = 1, 2, 1, 19, 14, 0.25
+    q, k, _ = inputs(B, H, Hkv, L, S, 6, S, dtype=torch.bfloat16, seed=8, grad=True)
+    v = torch.eye(S).repeat(B, Hkv, 1, 1).bfloat16().requires_grad_()
+    assert "brgemm" in describe(q, k, v, "bottom_right")
+    torch.manual_seed(3)
+    out = flash_attention(q, k, v, None, "bottom_right", 0.5, p)
+    keep = (out != 0).detach() | ~torch.ones(L, S, dtype=torch.bool).tril(S - L)
+    assert 0 < (~keep).sum() < keep.numel() / 2
+    up = torch.randn(B, H, L, S, generator=torch.Generator().manual_seed(9))
+    rate = cf._Plan(q, k, v, None, None, 0.5, p, 0).keep
+
+    def formula(dtype):
+        qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+        w = _eager(qq, kk, vv, None, "bottom_right", 0.5, 0.0)[1] * keep / rate
+        ref = (w.view(B, Hkv, H // Hkv * L, S) @ vv).view(B, H, L, S)
+        return (ref, *torch.autograd.grad(ref, (qq, kk, vv), up.to(dtype)))
+
+    truth, control = formula(torch.float64), formula(torch.bfloat16)
+    ours = (out, *torch.autograd.grad(out, (q, k, v), up.bfloat16()))
+    for name, t, o, c in zip(("out", "dq", "dk", "dv"), truth, ours, control, strict=True):
+        err, err_control = (o.double() - t).abs().max(), (c.double() - t).abs().max()
+        assert err <= 2 * err_control + 1e-3 * t.abs().max(), (name, float(err), float(err_control))

@@ -684,23 +684,29 @@ float scores_cols(const Params& p, float* st, const Block& b) {
   return scaled ? kLog2e : p.scale * kLog2e;
 }
 
-// Multiplies column i of W (N x Rs) by row row0+i's keep mask (1 / rho or 0): the same draws
-// as keep_row's, word w of a row's stream giving its columns w*per_word...
-void drop_cols(const Params& p, float* w, const Block& b, uint64_t* keys) {
+// w = x (N x Rs), column i times row row0+i's keep mask (1 / rho or 0): the same draws as
+// keep_row's, word w of a row's stream giving its columns w*per_word... (x may be w.)
+void drop_cols(const Params& p, const float* x, float* w, const Block& b, uint64_t* keys) {
   const int64_t N = b.N, R = b.R, Rs = b.Rs;
-  const int per_word = 64 / p.width;
+  const int per_word = 64 / p.width, width = p.width;
   const uint64_t lane = p.width == 16 ? 0xffffULL : 0xffffffffULL;
+  uint64_t* bits = keys + Rs;  // (keys: 2 Rs words)
   for (int64_t i = 0; i < R; ++i)
     keys[i] = mix64(p.seed ^ mix64(static_cast<uint64_t>(b.row0 + i) + 1));
   const float inv_keep = p.inv_keep;
   const uint64_t dropped = p.dropped;
   for (int64_t c0 = 0, word = 1; c0 < N; c0 += per_word, ++word) {
     const uint64_t step = static_cast<uint64_t>(word) * 0x9e3779b97f4a7c15ULL;
+#pragma omp simd
+    for (int64_t i = 0; i < R; ++i) bits[i] = mix64(keys[i] + step);  // (8 rows to a vector)
     const int64_t nc = std::min<int64_t>(per_word, N - c0);
-    for (int64_t i = 0; i < R; ++i) {
-      const uint64_t bits = mix64(keys[i] + step);
-      for (int64_t t = 0; t < nc; ++t)
-        w[(c0 + t) * Rs + i] *= ((bits >> (p.width * t)) & lane) >= dropped ? inv_keep : 0.f;
+    for (int64_t t = 0; t < nc; ++t) {
+      const float* in = x + (c0 + t) * Rs;
+      float* row = w + (c0 + t) * Rs;
+#pragma omp simd
+      for (int64_t i = 0; i < R; ++i)
+        row[i] = in[i] * (((bits[i] >> (width * t)) & lane) >= dropped ? inv_keep : 0.f);
+      std::fill(row + R, row + Rs, 0.f);
     }
   }
 }
@@ -775,7 +781,7 @@ void softmax_cols(const Params& p, float* st, const Block& b, float unit, float*
     }
     norm[i] = tf[i] == 0.f ? 0.f : 1.f / tf[i];  // (NaN stays NaN)
   }
-  if (p.dropout) drop_cols(p, st, b, keys);
+  if (p.dropout) drop_cols(p, st, st, b, keys);
   pack_rows(st, N, b.R, Rs, out, norm);
 }
 
@@ -816,8 +822,7 @@ void probabilities_cols(const Params& p, float* st, float* w, const float* dpt, 
     }
   }
   if (p.dropout) {
-    std::copy(st, st + N * Rs, w);
-    drop_cols(p, w, b, keys);
+    drop_cols(p, st, w, b, keys);
     for (int64_t c = 0; c < N; ++c)
       for (int v = 0; v < NV; ++v) {
         const int64_t x = c * Rs + 16 * v;
@@ -900,7 +905,7 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
   void* pt_p = sc.pt_p.get(Packed::bytes(ld, rows));
   float* ot = static_cast<float*>(sc.o.get(Ev * rows * sizeof(float)));
   float* o = static_cast<float*>(sc.pf.get(rows * Ev * sizeof(float)));
-  uint64_t* keys = static_cast<uint64_t*>(sc.t.get(rows * sizeof(uint64_t)));
+  uint64_t* keys = static_cast<uint64_t*>(sc.t.get(2 * rows_s * sizeof(uint64_t)));
   for (int64_t r0 = first * rows; r0 < L; r0 += stride * rows) {
     const int64_t R = std::min(L, r0 + rows) - r0, N = block_keys(p, r0 + R);
     for (int64_t g = 0; g < G; ++g) {
@@ -961,7 +966,7 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
   void* do_p = sc.do_p.get(Packed::bytes(rows, Ev));
   bf16* ds_p = static_cast<bf16*>(sc.pt_p.get(Packed::bytes(ld, kCols)));
   float* dqt = static_cast<float*>(sc.o.get(E * rows * sizeof(float)));
-  uint64_t* keys = static_cast<uint64_t*>(sc.t.get(rows * sizeof(uint64_t)));
+  uint64_t* keys = static_cast<uint64_t*>(sc.t.get(2 * rows_s * sizeof(uint64_t)));
   for (int64_t r0 = first * rows; r0 < L; r0 += stride * rows) {
     const int64_t R = std::min(L, r0 + rows) - r0, N = block_keys(p, r0 + R);
     for (int64_t g = 0; g < G; ++g) {
