@@ -550,18 +550,25 @@ Packed pack_rows(const float* x, int64_t K, int64_t N, int64_t ld, void* out,
 }
 
 // B = X^T from X's N rows of K (K even, leading dimension ld): row pairs of B are column pairs
-// of X, so each 32-bit word of B is one of X's.
+// of X, so each 32-bit word of B is one of X's, and B a transpose of X's words.
+void transpose(const float* x, int64_t R, int64_t X, int64_t ld, float* out, int64_t ld_out);
 Packed pack_transposed(const bf16* x, int64_t N, int64_t K, int64_t ld, void* out) {
   Packed b{static_cast<bf16*>(out), K, N};
+  const bool words = reinterpret_cast<uintptr_t>(x) % 4 == 0 && ld % 2 == 0;
   for (int64_t c0 = 0; c0 < N; c0 += kCols) {
     const int64_t nc = std::min(kCols, N - c0);
     uint32_t* blk = reinterpret_cast<uint32_t*>(b.data + c0 / kCols * b.block());
-    for (int64_t c = 0; c < nc; ++c) {
-      const bf16* row = x + (c0 + c) * ld;
-      for (int64_t k = 0; k < K; k += 2) {
-        uint32_t word;
-        std::memcpy(&word, row + k, sizeof(word));
-        blk[k / 2 * kCols + c] = word;
+    if (words) {  // (bit patterns moved as floats: a permutation changes no bits)
+      transpose(reinterpret_cast<const float*>(x + c0 * ld), nc, K / 2, ld / 2,
+                reinterpret_cast<float*>(blk), kCols);
+    } else {
+      for (int64_t c = 0; c < nc; ++c) {
+        const bf16* row = x + (c0 + c) * ld;
+        for (int64_t k = 0; k < K; k += 2) {
+          uint32_t word;
+          std::memcpy(&word, row + k, sizeof(word));
+          blk[k / 2 * kCols + c] = word;
+        }
       }
     }
     for (int64_t k = 0; k < K; k += 2)
@@ -585,23 +592,32 @@ void transpose(const T* x, int64_t R, int64_t X, int64_t ld, T* out, int64_t ld_
   }
 }
 
+// The lanes of transpose16's exchange at block size b: row i takes its own block then its
+// partner's (lo), row i + b its partner's then its own (hi); lanes 16.. are the partner row's.
+struct Exchange {
+  alignas(64) int32_t lo[4][16], hi[4][16];
+  Exchange() {
+    for (int s = 0, b = 8; s < 4; ++s, b /= 2)
+      for (int j = 0; j < 16; ++j) {
+        lo[s][j] = (j & b) ? 16 + j - b : j;
+        hi[s][j] = (j & b) ? 16 + j : j + b;
+      }
+  }
+};
+const Exchange kExchange;
+
 // y (16 x 16, leading dimension ldy) = x^T (x: 16 x 16, ldx) in registers: four exchanges of
 // the off-diagonal blocks, 8 x 8 down to 1 x 1 ([[A, B], [C, D]] -> [[A, C], [B, D]]).
 inline void transpose16(const float* x, int64_t ldx, float* y, int64_t ldy) {
   __m512 r[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(x + i * ldx);
-  for (int b = 8; b >= 1; b /= 2) {
-    alignas(64) int32_t lo[16], hi[16];
-    for (int j = 0; j < 16; ++j) {
-      lo[j] = (j & b) ? 16 + j - b : j;  // row i: its own block, then its partner's
-      hi[j] = (j & b) ? 16 + j : j + b;  // row i + b: its partner's block, then its own
-    }
-    const __m512i lo_v = _mm512_load_si512(lo), hi_v = _mm512_load_si512(hi);
+  for (int s = 0, b = 8; s < 4; ++s, b /= 2) {
+    const __m512i lo = _mm512_load_si512(kExchange.lo[s]), hi = _mm512_load_si512(kExchange.hi[s]);
     for (int i = 0; i < 16; ++i) {
       if (i & b) continue;
       const __m512 a = r[i], c = r[i + b];
-      r[i] = _mm512_permutex2var_ps(a, lo_v, c);
-      r[i + b] = _mm512_permutex2var_ps(a, hi_v, c);
+      r[i] = _mm512_permutex2var_ps(a, lo, c);
+      r[i + b] = _mm512_permutex2var_ps(a, hi, c);
     }
   }
   for (int i = 0; i < 16; ++i) _mm512_storeu_ps(y + i * ldy, r[i]);
@@ -934,12 +950,13 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
   }
 }
 
-// dQ of group gi's rows r0:r0+R, r0 = first, first + stride, ... (blocks of p.rows <= 64), and
-// the group's dK, dV summed over them into dk3, dv3 (float32, zero before: this task's alone).
+// dQ (bfloat16) of group gi's rows r0:r0+R, r0 = first, first + stride, ... (blocks of
+// p.rows <= 64), and the group's dK, dV summed over them into dk3, dv3 (float32, zero before:
+// this task's alone), then rounded into dk16, dv16 where given (the task holds every block).
 void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
                            const Tensor& k3, const Tensor& v3, const float* stats, Tensor& dq3,
-                           Tensor& dk3, Tensor& dv3, int64_t gi, int64_t first, int64_t stride,
-                           Scratch& sc) {
+                           Tensor& dk3, Tensor& dv3, Tensor* dk16, Tensor* dv16, int64_t gi,
+                           int64_t first, int64_t stride, Scratch& sc) {
   const int64_t G = p.G, L = p.L, S = p.S, E = p.E, Ev = p.Ev, ld = even(S), rows = p.rows;
   const int64_t rows_s = (rows + 15) / 16 * 16;
   const bf16* q = q3.data_ptr<bf16>() + gi * q3.stride(0);
@@ -947,7 +964,7 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
   const bf16* k = k3.data_ptr<bf16>() + gi * k3.stride(0);
   const bf16* v = v3.data_ptr<bf16>() + gi * v3.stride(0);
   const int64_t ldq = q3.stride(1), lddo = do3.stride(1), ldk = k3.stride(1), ldv = v3.stride(1);
-  float* dq = dq3.data_ptr<float>() + gi * dq3.stride(0);
+  bf16* dq = dq3.data_ptr<bf16>() + gi * dq3.stride(0);
   float* dk = dk3.data_ptr<float>() + gi * dk3.stride(0);  // (S x E), summed in place
   float* dv = dv3.data_ptr<float>() + gi * dv3.stride(0);  // (S x Ev)
   bf16* kt = static_cast<bf16*>(sc.kvt.get(E * ld * sizeof(bf16)));  // K^T (E x S)
@@ -966,13 +983,14 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
   void* do_p = sc.do_p.get(Packed::bytes(rows, Ev));
   bf16* ds_p = static_cast<bf16*>(sc.pt_p.get(Packed::bytes(ld, kCols)));
   float* dqt = static_cast<float*>(sc.o.get(E * rows * sizeof(float)));
+  float* dqf = static_cast<float*>(sc.pf.get(E * rows * sizeof(float)));
   uint64_t* keys = static_cast<uint64_t*>(sc.t.get(2 * rows_s * sizeof(uint64_t)));
   for (int64_t r0 = first * rows; r0 < L; r0 += stride * rows) {
     const int64_t R = std::min(L, r0 + rows) - r0, N = block_keys(p, r0 + R);
     for (int64_t g = 0; g < G; ++g) {
-      float* dqrows = dq + (g * L + r0) * E;
+      bf16* dqrows = dq + (g * L + r0) * E;
       if (N <= 0) {
-        std::fill(dqrows, dqrows + R * E, 0.f);
+        std::fill(dqrows, dqrows + R * E, bf16(0.f));
         continue;
       }
       const Block b{N, R, (R + 15) / 16 * 16, gi, g, r0, (gi * G + g) * L + r0};
@@ -1000,8 +1018,13 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
         HiddenColumn hidden(kt, E, ld, N, S);
         gemm(E, R, N, kt, ld, dst, dqt, R, false);  // dQ^T = K^T (s dS^T)
       }
-      transpose(dqt, E, R, R, dqrows, E);
+      transpose(dqt, E, R, R, dqf, E);
+      store_bf16(dqf, dqrows, R * E);
     }
+  }
+  if (dk16 != nullptr) {
+    store_bf16(dk, dk16->data_ptr<bf16>() + gi * dk16->stride(0), S * E);
+    store_bf16(dv, dv16->data_ptr<bf16>() + gi * dv16->stride(0), S * Ev);
   }
 }
 #else
@@ -1137,7 +1160,7 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
   const bool use_brgemm = take_brgemm(brgemm, p, q5, {});
 #endif
   auto f32 = q5.options().dtype(at::kFloat);
-  Tensor dq3 = at::empty({groups, p.G * p.L, p.E}, f32);
+  Tensor dq3 = at::empty({groups, p.G * p.L, p.E}, use_brgemm ? q5.options() : f32);
   Tensor dk3 = at::zeros({groups, p.S, p.E}, f32);
   Tensor dv3 = at::zeros({groups, p.S, p.Ev}, f32);
   const float* st = stats.data_ptr<float>();
@@ -1158,14 +1181,26 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
   const int64_t chunks = (groups + nb - 1) / nb, n = chunks * parts;
 #if defined(ATTNLAB_BRGEMM)
   if (use_brgemm) {
+    // dQ in bfloat16; dK, dV too where one task sums a group's blocks (else the parts' sum,
+    // in float32, is rounded by the caller)
+    Tensor dk16, dv16;
+    if (parts == 1) {
+      dk16 = at::empty({groups, p.S, p.E}, q5.options());
+      dv16 = at::empty({groups, p.S, p.Ev}, q5.options());
+    }
     run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
       const int64_t part = task % parts;
       Tensor dk_t = parts > 1 ? dk_parts.select(0, part) : dk3;
       Tensor dv_t = parts > 1 ? dv_parts.select(0, part) : dv3;
-      backward_group_brgemm(p, do3, q3, k3, v3, st, dq3, dk_t, dv_t, task / parts, part, parts,
-                            sc);
+      backward_group_brgemm(p, do3, q3, k3, v3, st, dq3, dk_t, dv_t,
+                            parts == 1 ? &dk16 : nullptr, parts == 1 ? &dv16 : nullptr,
+                            task / parts, part, parts, sc);
       cb::brgemm_release();
     });
+    if (parts == 1) {
+      dk3 = dk16;
+      dv3 = dv16;
+    }
   } else
 #endif
   for_products(q5.scalar_type(), [&](auto zero) {
