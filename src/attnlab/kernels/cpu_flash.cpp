@@ -114,6 +114,9 @@ struct Params {
   int mask_kind;
   const void* mask;
   int64_t ms[5];
+  // stats per row: (m, log l), then, from the brgemm path's forward for a backward, the row's
+  // output in float32 from float32 weights (D = dO . O of the backward)
+  int64_t sw = 2;
 };
 
 // The visible keys of row i (of head j*G + g, batch row b) among 0:N, and its scores t (natural
@@ -509,41 +512,60 @@ Packed pack_rows(const bf16* x, int64_t K, int64_t N, int64_t ld, void* out) {
   return b;
 }
 
-// pack_rows of X from float32 rows, column c times col_scale[c] (rounded to bfloat16 as
-// store_bf16 rounds).
+// pack_rows of X from float32 rows, column c times col_scale[c], rounded to bfloat16 (as
+// store_bf16 rounds); with rest, what the rounding left (X - the packed X) packed there too.
 Packed pack_rows(const float* x, int64_t K, int64_t N, int64_t ld, void* out,
-                 const float* col_scale) {
+                 const float* col_scale, void* rest = nullptr) {
   Packed b{static_cast<bf16*>(out), K, N};
 #if defined(__AVX512BF16__)
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                          16, 0);  // (a0 b0 a1 b1 ... from a0..a15 b0..b15)
+  auto widen = [](__m256i h) {  // 16 bfloat16 back to float32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  };
 #endif
   for (int64_t c0 = 0; c0 < N; c0 += kCols) {
     const int64_t nc = std::min(kCols, N - c0);
     bf16* blk = b.data + c0 / kCols * b.block();
+    bf16* rblk = rest != nullptr ? static_cast<bf16*>(rest) + c0 / kCols * b.block() : nullptr;
     for (int64_t k = 0; k < K; k += 2) {
       const float* lo = x + k * ld + c0;
       const float* hi = k + 1 < K ? lo + ld : nullptr;
       bf16* o = blk + k / 2 * 2 * kCols;
+      bf16* r = rblk != nullptr ? rblk + k / 2 * 2 * kCols : nullptr;
       int64_t c = 0;
 #if defined(__AVX512BF16__)
       if (hi != nullptr) {
         for (; c + 16 <= nc; c += 16) {
           const __m512 s = _mm512_loadu_ps(col_scale + c0 + c);
-          const __m512bh ab = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(hi + c), s),
-                                                  _mm512_mul_ps(_mm512_loadu_ps(lo + c), s));
-          _mm512_storeu_si512(o + 2 * c, _mm512_permutexvar_epi16(
-                                             pairs, reinterpret_cast<const __m512i&>(ab)));
+          const __m512 ya = _mm512_mul_ps(_mm512_loadu_ps(lo + c), s);
+          const __m512 yb = _mm512_mul_ps(_mm512_loadu_ps(hi + c), s);
+          const __m512bh ab = _mm512_cvtne2ps_pbh(yb, ya);
+          const __m512i abi = reinterpret_cast<const __m512i&>(ab);
+          _mm512_storeu_si512(o + 2 * c, _mm512_permutexvar_epi16(pairs, abi));
+          if (r != nullptr) {
+            const __m512 ra = _mm512_sub_ps(ya, widen(_mm512_castsi512_si256(abi)));
+            const __m512 rb = _mm512_sub_ps(yb, widen(_mm512_extracti64x4_epi64(abi, 1)));
+            const __m512bh rab = _mm512_cvtne2ps_pbh(rb, ra);
+            _mm512_storeu_si512(r + 2 * c, _mm512_permutexvar_epi16(
+                                               pairs, reinterpret_cast<const __m512i&>(rab)));
+          }
         }
       }
 #endif
       for (; c < nc; ++c) {
         const float s = col_scale[c0 + c];
-        o[2 * c] = static_cast<bf16>(lo[c] * s);
-        o[2 * c + 1] = hi != nullptr ? static_cast<bf16>(hi[c] * s) : bf16(0.f);
+        const float ya = lo[c] * s, yb = hi != nullptr ? hi[c] * s : 0.f;
+        o[2 * c] = static_cast<bf16>(ya);
+        o[2 * c + 1] = static_cast<bf16>(yb);
+        if (r != nullptr) {
+          r[2 * c] = static_cast<bf16>(ya - static_cast<float>(o[2 * c]));
+          r[2 * c + 1] = static_cast<bf16>(yb - static_cast<float>(o[2 * c + 1]));
+        }
       }
       std::fill(o + 2 * nc, o + 2 * kCols, bf16(0.f));
+      if (r != nullptr) std::fill(r + 2 * nc, r + 2 * kCols, bf16(0.f));
     }
   }
   return b;
@@ -667,6 +689,7 @@ struct HiddenColumn {
 // carried along and never read out) for rows r0:r0+R of head g of group gi.
 struct Block {
   int64_t N, R, Rs, gi, g, r0, row0;  // row0: the block's first row in (B, H, L)
+  int64_t k0 = 0;  // the block's first key: its columns are keys k0:k0+N
   int nv() const { return static_cast<int>(Rs / 16); }
 };
 
@@ -685,17 +708,18 @@ float scores_cols(const Params& p, float* st, const Block& b) {
     for (int64_t c = 0; c < N; ++c) {
       float* row = st + c * Rs;
       if (p.mask_kind == 1) {
-        const uint8_t* m = static_cast<const uint8_t*>(p.mask) + base + c * across;
+        const uint8_t* m = static_cast<const uint8_t*>(p.mask) + base + (b.k0 + c) * across;
         for (int64_t i = 0; i < R; ++i) row[i] = m[i * down] ? -kInf : row[i];
       } else {
-        const float* m = static_cast<const float*>(p.mask) + base + c * across;
+        const float* m = static_cast<const float*>(p.mask) + base + (b.k0 + c) * across;
         for (int64_t i = 0; i < R; ++i) row[i] += m[i * down];
       }
     }
   }
-  if (p.causal) {  // row i sees key c iff c <= r0 + i + offset
-    for (int64_t c = std::max<int64_t>(0, b.r0 + p.offset + 1); c < N; ++c)
-      std::fill(st + c * Rs, st + c * Rs + std::min<int64_t>(R, c - b.r0 - p.offset), -kInf);
+  if (p.causal) {  // row i sees key k0 + c iff k0 + c <= r0 + i + offset
+    const int64_t lag = b.k0 - b.r0 - p.offset;  // (row i sees column c iff i >= c + lag)
+    for (int64_t c = std::max<int64_t>(0, 1 - lag); c < N; ++c)
+      std::fill(st + c * Rs, st + c * Rs + std::min<int64_t>(R, c + lag), -kInf);
   }
   return scaled ? kLog2e : p.scale * kLog2e;
 }
@@ -711,7 +735,8 @@ void drop_cols(const Params& p, const float* x, float* w, const Block& b, uint64
     keys[i] = mix64(p.seed ^ mix64(static_cast<uint64_t>(b.row0 + i) + 1));
   const float inv_keep = p.inv_keep;
   const uint64_t dropped = p.dropped;
-  for (int64_t c0 = 0, word = 1; c0 < N; c0 += per_word, ++word) {
+  TORCH_CHECK(b.k0 % per_word == 0, "attnlab cpu_flash: key chunks start on a word");
+  for (int64_t c0 = 0, word = 1 + b.k0 / per_word; c0 < N; c0 += per_word, ++word) {
     const uint64_t step = static_cast<uint64_t>(word) * 0x9e3779b97f4a7c15ULL;
 #pragma omp simd
     for (int64_t i = 0; i < R; ++i) bits[i] = mix64(keys[i] + step);  // (8 rows to a vector)
@@ -760,7 +785,7 @@ inline __mmask16 lanes(int64_t R, int v) {  // lanes of vector v below R
 // P^T Z / rho packed for brgemm (key pairs interleaved) into out.
 template <int NV>
 void softmax_cols(const Params& p, float* st, const Block& b, float unit, float* stats,
-                  uint64_t* keys, void* out) {
+                  uint64_t* keys, void* out, void* rest) {
   const int64_t N = b.N, Rs = 16 * NV;
   __m512 m[NV], total[NV];
   for (int v = 0; v < NV; ++v) m[v] = _mm512_set1_ps(-kInf);
@@ -788,7 +813,7 @@ void softmax_cols(const Params& p, float* st, const Block& b, float unit, float*
   }
   const float to_natural = unit / kLog2e;  // (the scale where the scores were not scaled)
   for (int64_t i = 0; i < b.R; ++i) {
-    float* s2 = stats + (b.row0 + i) * 2;
+    float* s2 = stats + (b.row0 + i) * p.sw;
     if (mf[i] == -kInf) {  // no visible key: dead (+inf, 0), or a NaN row
       if (tf[i] != tf[i]) s2[0] = kNaN;
     } else {
@@ -798,20 +823,20 @@ void softmax_cols(const Params& p, float* st, const Block& b, float unit, float*
     norm[i] = tf[i] == 0.f ? 0.f : 1.f / tf[i];  // (NaN stays NaN)
   }
   if (p.dropout) drop_cols(p, st, st, b, keys);
-  pack_rows(st, N, b.R, Rs, out, norm);
+  pack_rows(st, N, b.R, Rs, out, norm, rest);
 }
 
-// Backward, first pass: P (in place of St) and W = P Z / rho (in w, or P itself), W^T in 16
-// bits (wb, N x Rs, 0 past R) and D = sum_j W dP (0 where P is) into d.
+// Backward, first pass: P (in place of St) and W = P Z / rho (in w, or P itself), and W^T in
+// 16 bits (wb, N x Rs, 0 past R).
 template <int NV>
-void probabilities_cols(const Params& p, float* st, float* w, const float* dpt, const Block& b,
-                        float unit, const float* stats, uint64_t* keys, bf16* wb, float* d_out) {
+void probabilities_cols(const Params& p, float* st, float* w, const Block& b, float unit,
+                        const float* stats, uint64_t* keys, bf16* wb) {
   const int64_t N = b.N, Rs = 16 * NV;
   alignas(64) float shift[64], inv_total[64];
   for (int64_t i = 0; i < Rs; ++i) {  // (a dead row: +inf, weights 0; a NaN row: NaN)
     const bool row = i < b.R;
-    shift[i] = row ? stats[(b.row0 + i) * 2] : kInf;
-    inv_total[i] = row ? std::exp(-stats[(b.row0 + i) * 2 + 1]) : 0.f;
+    shift[i] = row ? stats[(b.row0 + i) * p.sw] : kInf;
+    inv_total[i] = row ? std::exp(-stats[(b.row0 + i) * p.sw + 1]) : 0.f;
   }
   const __m512 sf = _mm512_set1_ps(unit / kLog2e), l2e = _mm512_set1_ps(kLog2e);
   __m512 sh[NV], it[NV];
@@ -819,13 +844,7 @@ void probabilities_cols(const Params& p, float* st, float* w, const float* dpt, 
     sh[v] = _mm512_load_ps(shift + 16 * v);
     it[v] = _mm512_load_ps(inv_total + 16 * v);
   }
-  __m512 d[NV];
-  for (int v = 0; v < NV; ++v) d[v] = _mm512_setzero_ps();
-  const __m512 zero = _mm512_setzero_ps();
-  // D (over the live weights only: a hidden key's dP may be inf), and W^T in 16 bits
-  auto take = [&](int64_t x, int v, __m512 pr, __m512 wv) {
-    const __mmask16 live = _mm512_cmp_ps_mask(pr, zero, _CMP_NEQ_UQ);
-    d[v] = _mm512_mask3_fmadd_ps(wv, _mm512_loadu_ps(dpt + x), d[v], live);
+  auto store_w = [&](int64_t x, int v, __m512 wv) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + x), to_bf16(wv, lanes(b.R, v)));
   };
   for (int64_t c = 0; c < N; ++c) {  // P = 2^(log2(e) (t - m)) / l
@@ -834,22 +853,19 @@ void probabilities_cols(const Params& p, float* st, float* w, const float* dpt, 
       const __m512 y = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_loadu_ps(st + x), sf, sh[v]), l2e);
       const __m512 pr = _mm512_mul_ps(exp2_nonpositive(y), it[v]);
       _mm512_storeu_ps(st + x, pr);
-      if (!p.dropout) take(x, v, pr, pr);  // (W = P)
+      if (!p.dropout) store_w(x, v, pr);  // (W = P)
     }
   }
   if (p.dropout) {
     drop_cols(p, st, w, b, keys);
     for (int64_t c = 0; c < N; ++c)
-      for (int v = 0; v < NV; ++v) {
-        const int64_t x = c * Rs + 16 * v;
-        take(x, v, _mm512_loadu_ps(st + x), _mm512_loadu_ps(w + x));
-      }
+      for (int v = 0; v < NV; ++v) store_w(c * Rs + 16 * v, v, _mm512_loadu_ps(w + c * Rs + 16 * v));
   }
-  for (int v = 0; v < NV; ++v) _mm512_storeu_ps(d_out + 16 * v, d[v]);
 }
 
-// Backward, second pass: s dS = s (W dP - P D) (0 where P is, and past R) in 16 bits, as rows
-// (dsb, N x Rs) and packed for brgemm (ds_p: key pairs interleaved, kCols columns).
+// Backward, second pass: s dS = s (W dP - P D) (0 where P is, and past R; D = dO . O of the
+// block's rows) in 16 bits, as rows (dsb, N x Rs) and packed for brgemm (ds_p: key pairs
+// interleaved, kCols columns).
 template <int NV>
 void score_grads_cols(const Params& p, const float* st, const float* w, const float* dpt,
                       const Block& b, const float* d_in, bf16* dsb, bf16* ds_p) {
@@ -919,6 +935,8 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
   float* st = static_cast<float*>(sc.s.get(ld * rows_s * sizeof(float)));
   void* qt_p = sc.qt_p.get(Packed::bytes(E, rows));
   void* pt_p = sc.pt_p.get(Packed::bytes(ld, rows));
+  const bool exact = p.sw > 2;  // (for a backward: the output from float32 weights in stats)
+  void* rest_p = exact ? sc.dot_p.get(Packed::bytes(ld, rows)) : nullptr;
   float* ot = static_cast<float*>(sc.o.get(Ev * rows * sizeof(float)));
   float* o = static_cast<float*>(sc.pf.get(rows * Ev * sizeof(float)));
   uint64_t* keys = static_cast<uint64_t*>(sc.t.get(2 * rows_s * sizeof(uint64_t)));
@@ -937,95 +955,126 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
         for (int64_t c = 0; c < N; ++c) std::fill(st + c * b.Rs + R, st + (c + 1) * b.Rs, 0.f);
       const float unit = scores_cols(p, st, b);
       for_vectors(b.nv(), [&](auto nv) {
-        softmax_cols<decltype(nv)::value>(p, st, b, unit, stats, keys, pt_p);
+        softmax_cols<decltype(nv)::value>(p, st, b, unit, stats, keys, pt_p, rest_p);
       });
-      const Packed pt{static_cast<bf16*>(pt_p), N, R};  // P^T Z / rho
+      const Packed pt{static_cast<bf16*>(pt_p), N, R};  // P^T Z / rho, in bfloat16
       {
         HiddenColumn hidden(vt, Ev, ld, N, S);
         gemm(Ev, R, N, vt, ld, pt, ot, R, false);  // O^T = V^T P^T
+        if (exact)  // + V^T (what P^T's rounding left): the output of the float32 weights
+          gemm(Ev, R, N, vt, ld, Packed{static_cast<bf16*>(rest_p), N, R}, ot, R, true);
       }
       transpose(ot, Ev, R, R, o, Ev);
       store_bf16(o, orows, R * Ev);
+      if (exact)
+        for (int64_t i = 0; i < R; ++i)
+          std::copy(o + i * Ev, o + (i + 1) * Ev, stats + (b.row0 + i) * p.sw + 2);
     }
   }
 }
 
-// dQ (bfloat16) of group gi's rows r0:r0+R, r0 = first, first + stride, ... (blocks of
-// p.rows <= 64), and the group's dK, dV summed over them into dk3, dv3 (float32, zero before:
-// this task's alone), then rounded into dk16, dv16 where given (the task holds every block).
+// Keys per chunk of the backward: a chunk's dK, dV sums (float32) and its rows' St, dP^T stay
+// in L2 while every query row block passes over them (keys outer, as FlashAttention-2's
+// backward): no pass over all of dK, dV per row block.
+constexpr int64_t kKeyChunk = 512;
+
+// The backward of group gi (batch row, kv head) over key chunks first, first + stride, ...:
+// dK, dV of those keys (bfloat16, into dk16, dv16: the chunks are this task's alone), and the
+// chunks' part of dQ into dq32 ((G*L, E) float32 of this task). D = dO . O for every row, O
+// from the forward's float32 weights (stats; from its bfloat16 output D would be 2^-9 off,
+// and dK with it, 5x the readable formula's error in a test).
 void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
-                           const Tensor& k3, const Tensor& v3, const float* stats, Tensor& dq3,
-                           Tensor& dk3, Tensor& dv3, Tensor* dk16, Tensor* dv16, int64_t gi,
-                           int64_t first, int64_t stride, Scratch& sc) {
-  const int64_t G = p.G, L = p.L, S = p.S, E = p.E, Ev = p.Ev, ld = even(S), rows = p.rows;
-  const int64_t rows_s = (rows + 15) / 16 * 16;
+                           const Tensor& k3, const Tensor& v3,
+                           const float* stats, Tensor& dq32, Tensor& dk16, Tensor& dv16,
+                           int64_t gi, int64_t first, int64_t stride, Scratch& sc) {
+  const int64_t G = p.G, L = p.L, S = p.S, E = p.E, Ev = p.Ev, rows = p.rows;
+  const int64_t rows_s = (rows + 15) / 16 * 16, blocks = (L + rows - 1) / rows;
   const bf16* q = q3.data_ptr<bf16>() + gi * q3.stride(0);
   const bf16* dout = do3.data_ptr<bf16>() + gi * do3.stride(0);
   const bf16* k = k3.data_ptr<bf16>() + gi * k3.stride(0);
   const bf16* v = v3.data_ptr<bf16>() + gi * v3.stride(0);
-  const int64_t ldq = q3.stride(1), lddo = do3.stride(1), ldk = k3.stride(1), ldv = v3.stride(1);
-  bf16* dq = dq3.data_ptr<bf16>() + gi * dq3.stride(0);
-  float* dk = dk3.data_ptr<float>() + gi * dk3.stride(0);  // (S x E), summed in place
-  float* dv = dv3.data_ptr<float>() + gi * dv3.stride(0);  // (S x Ev)
-  bf16* kt = static_cast<bf16*>(sc.kvt.get(E * ld * sizeof(bf16)));  // K^T (E x S)
-  transpose(k, S, E, ldk, kt, ld);
-  if (S < ld)
-    for (int64_t e = 0; e < E; ++e) kt[e * ld + S] = bf16(0.f);
-  const size_t cells = ld * rows_s;
+  const int64_t ldq = q3.stride(1), lddo = do3.stride(1);
+  const int64_t ldk = k3.stride(1), ldv = v3.stride(1);
+  float* dq = dq32.data_ptr<float>() + gi * dq32.stride(0);
+  bf16* dk_out = dk16.data_ptr<bf16>() + gi * dk16.stride(0);
+  bf16* dv_out = dv16.data_ptr<bf16>() + gi * dv16.stride(0);
+  const int64_t chunk = std::min(kKeyChunk, S), ldc = even(chunk);
+  const size_t cells = ldc * rows_s;
   float* st = static_cast<float*>(sc.s.get(cells * sizeof(float)));   // St, then P^T
   float* dpt = static_cast<float*>(sc.dp.get(cells * sizeof(float)));  // dP^T
   float* wt = p.dropout ? static_cast<float*>(sc.w.get(cells * sizeof(float))) : st;
   bf16* wb = static_cast<bf16*>(sc.pm.get(cells * sizeof(bf16)));  // W^T, then s dS^T: 16 bits
-  alignas(64) float d[64];  // D of the block's rows
+  bf16* kt = static_cast<bf16*>(sc.kvt.get(E * ldc * sizeof(bf16)));  // K^T of the chunk
+  float* dk = static_cast<float*>(sc.q.get(chunk * E * sizeof(float)));  // the chunk's sums
+  float* dv = static_cast<float*>(sc.keep.get(chunk * Ev * sizeof(float)));
+  // dQ^T of every (head, row block), E x Rs each, summed over the chunks
+  float* dqt = static_cast<float*>(sc.o.get(G * blocks * E * rows_s * sizeof(float)));
+  float* d = static_cast<float*>(sc.words.get((G * L + 64) * sizeof(float)));  // D per row
   void* qt_p = sc.qt_p.get(Packed::bytes(E, rows));
   void* dot_p = sc.dot_p.get(Packed::bytes(Ev, rows));
   void* q_p = sc.q_p.get(Packed::bytes(rows, E));
   void* do_p = sc.do_p.get(Packed::bytes(rows, Ev));
-  bf16* ds_p = static_cast<bf16*>(sc.pt_p.get(Packed::bytes(ld, kCols)));
-  float* dqt = static_cast<float*>(sc.o.get(E * rows * sizeof(float)));
-  float* dqf = static_cast<float*>(sc.pf.get(E * rows * sizeof(float)));
+  bf16* ds_p = static_cast<bf16*>(sc.pt_p.get(Packed::bytes(ldc, kCols)));
   uint64_t* keys = static_cast<uint64_t*>(sc.t.get(2 * rows_s * sizeof(uint64_t)));
-  for (int64_t r0 = first * rows; r0 < L; r0 += stride * rows) {
-    const int64_t R = std::min(L, r0 + rows) - r0, N = block_keys(p, r0 + R);
-    for (int64_t g = 0; g < G; ++g) {
-      bf16* dqrows = dq + (g * L + r0) * E;
-      if (N <= 0) {
-        std::fill(dqrows, dqrows + R * E, bf16(0.f));
-        continue;
-      }
-      const Block b{N, R, (R + 15) / 16 * 16, gi, g, r0, (gi * G + g) * L + r0};
-      const bf16* qb = q + (g * L + r0) * ldq;
-      const bf16* dob = dout + (g * L + r0) * lddo;
-      gemm(N, R, E, k, ldk, pack_transposed(qb, R, E, ldq, qt_p), st, b.Rs, false);  // St
-      gemm(N, R, Ev, v, ldv, pack_transposed(dob, R, Ev, lddo, dot_p), dpt, b.Rs, false);  // dP^T
-      if (R < b.Rs) {  // (the lanes past R: numbers, never read out)
-        for (int64_t c = 0; c < N; ++c) {
-          std::fill(st + c * b.Rs + R, st + (c + 1) * b.Rs, 0.f);
-          std::fill(dpt + c * b.Rs + R, dpt + (c + 1) * b.Rs, 0.f);
+  for (int64_t r = 0; r < G * L; ++r) {  // D = dO . O (O from the forward's float32 weights)
+    const bf16* a = dout + r * lddo;
+    const float* b = stats + ((gi * G) * L + r) * p.sw + 2;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t e = 0; e < Ev; ++e) sum += static_cast<float>(a[e]) * b[e];
+    d[r] = sum;
+  }
+  std::fill(dqt, dqt + G * blocks * E * rows_s, 0.f);
+  for (int64_t k0 = first * chunk; k0 < S; k0 += stride * chunk) {
+    const int64_t nk = std::min(S, k0 + chunk) - k0;
+    transpose(k + k0 * ldk, nk, E, ldk, kt, ldc);
+    if (nk < ldc)
+      for (int64_t e = 0; e < E; ++e) kt[e * ldc + nk] = bf16(0.f);
+    std::fill(dk, dk + nk * E, 0.f);
+    std::fill(dv, dv + nk * Ev, 0.f);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t r0 = blk * rows, R = std::min(L, r0 + rows) - r0;
+      const int64_t N = std::min(block_keys(p, r0 + R), k0 + nk) - k0;  // visible keys here
+      if (N <= 0) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        Block b{N, R, (R + 15) / 16 * 16, gi, g, r0, (gi * G + g) * L + r0};
+        b.k0 = k0;
+        const bf16* qb = q + (g * L + r0) * ldq;
+        const bf16* dob = dout + (g * L + r0) * lddo;
+        const bf16* kc = k + k0 * ldk;
+        gemm(N, R, E, kc, ldk, pack_transposed(qb, R, E, ldq, qt_p), st, b.Rs, false);  // St
+        gemm(N, R, Ev, v + k0 * ldv, ldv, pack_transposed(dob, R, Ev, lddo, dot_p), dpt, b.Rs,
+             false);  // dP^T
+        if (R < b.Rs) {  // (the lanes past R: numbers, never read out)
+          for (int64_t c = 0; c < N; ++c) {
+            std::fill(st + c * b.Rs + R, st + (c + 1) * b.Rs, 0.f);
+            std::fill(dpt + c * b.Rs + R, dpt + (c + 1) * b.Rs, 0.f);
+          }
+        }
+        const float unit = scores_cols(p, st, b);
+        for_vectors(b.nv(), [&](auto nv) {
+          probabilities_cols<decltype(nv)::value>(p, st, wt, b, unit, stats, keys, wb);
+        });
+        gemm(N, Ev, R, wb, b.Rs, pack_rows(dob, R, Ev, lddo, do_p), dv, Ev, true);  // dV += W^T dO
+        for_vectors(b.nv(), [&](auto nv) {  // (s dS^T in W^T's place)
+          score_grads_cols<decltype(nv)::value>(p, st, wt, dpt, b, d + g * L + r0, wb, ds_p);
+        });
+        gemm(N, E, R, wb, b.Rs, pack_rows(qb, R, E, ldq, q_p), dk, E, true);  // dK += s dS^T Q
+        {
+          HiddenColumn hidden(kt, E, ldc, N, nk);
+          float* acc = dqt + (g * blocks + blk) * E * rows_s;
+          gemm(E, R, N, kt, ldc, Packed{ds_p, N, R}, acc, rows_s, true);  // dQ^T += K^T s dS^T
         }
       }
-      const float unit = scores_cols(p, st, b);
-      for_vectors(b.nv(), [&](auto nv) {
-        probabilities_cols<decltype(nv)::value>(p, st, wt, dpt, b, unit, stats, keys, wb, d);
-      });
-      gemm(N, Ev, R, wb, b.Rs, pack_rows(dob, R, Ev, lddo, do_p), dv, Ev, true);  // dV += W^T dO
-      for_vectors(b.nv(), [&](auto nv) {  // (s dS^T in W^T's place)
-        score_grads_cols<decltype(nv)::value>(p, st, wt, dpt, b, d, wb, ds_p);
-      });
-      gemm(N, E, R, wb, b.Rs, pack_rows(qb, R, E, ldq, q_p), dk, E, true);  // dK += s dS^T Q
-      const Packed dst{ds_p, N, R};  // s dS^T, key pairs interleaved
-      {
-        HiddenColumn hidden(kt, E, ld, N, S);
-        gemm(E, R, N, kt, ld, dst, dqt, R, false);  // dQ^T = K^T (s dS^T)
-      }
-      transpose(dqt, E, R, R, dqf, E);
-      store_bf16(dqf, dqrows, R * E);
     }
+    store_bf16(dk, dk_out + k0 * E, nk * E);
+    store_bf16(dv, dv_out + k0 * Ev, nk * Ev);
   }
-  if (dk16 != nullptr) {
-    store_bf16(dk, dk16->data_ptr<bf16>() + gi * dk16->stride(0), S * E);
-    store_bf16(dv, dv16->data_ptr<bf16>() + gi * dv16->stride(0), S * Ev);
-  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t r0 = blk * rows, R = std::min(L, r0 + rows) - r0;
+      transpose(dqt + (g * blocks + blk) * E * rows_s, E, R, rows_s, dq + (g * L + r0) * E, E);
+    }
 }
 #else
 bool brgemm_available() { return false; }
@@ -1107,7 +1156,7 @@ std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
                             const c10::optional<Tensor>& mask, bool causal, int64_t offset,
                             double scale, int64_t rows, int64_t per_block, int64_t width,
                             int64_t dropped, double keep, int64_t seed, int64_t threads,
-                            bool brgemm) {
+                            bool brgemm, bool exact) {
   Params p = make_params(q5, k, v, mask, offset, causal, scale, rows, width, dropped, keep, seed);
   const int64_t groups = p.B * p.Hkv;
   // (a copy only where the heads are not laid out as (B*Hkv, G*L, E): views of projections)
@@ -1119,6 +1168,12 @@ std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
   float* st = stats.data_ptr<float>();
 #if defined(ATTNLAB_BRGEMM)
   if (take_brgemm(brgemm, p, q5, {&q3, &k3, &v3})) {
+    if (exact) {  // a forward for a backward: each row's float32 output goes with its stats
+      p.sw = 2 + p.Ev;
+      stats = at::zeros({p.B, p.Hkv, p.G, p.L, p.sw}, q5.options().dtype(at::kFloat));
+      stats.select(4, 0).fill_(kInf);
+      st = stats.data_ptr<float>();
+    }
     const int64_t parts = parts_for(p, groups, threads);
     run_tasks(groups * parts, threads, [&](int64_t task, Scratch& sc) {
       forward_group_brgemm(p, q3, k3, v3, out3, st, task / parts, task % parts, parts, sc);
@@ -1154,55 +1209,49 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
   const int64_t groups = p.B * p.Hkv;
   Tensor q3 = q5.reshape({groups, p.G * p.L, p.E}), do3 = do5.reshape({groups, p.G * p.L, p.Ev});
   Tensor k3 = k.reshape({groups, p.S, p.E}), v3 = v.reshape({groups, p.S, p.Ev});
-#if defined(ATTNLAB_BRGEMM)
-  const bool use_brgemm = take_brgemm(brgemm, p, q5, {&q3, &do3, &k3, &v3});
-#else
-  const bool use_brgemm = take_brgemm(brgemm, p, q5, {});
-#endif
   auto f32 = q5.options().dtype(at::kFloat);
-  Tensor dq3 = at::empty({groups, p.G * p.L, p.E}, use_brgemm ? q5.options() : f32);
+  const float* st = stats.data_ptr<float>();
+#if defined(ATTNLAB_BRGEMM)
+  if (take_brgemm(brgemm, p, q5, {&q3, &do3, &k3, &v3})) {
+    p.sw = stats.size(-1);
+    TORCH_CHECK(p.sw == 2 + p.Ev, "attnlab cpu_flash: the brgemm backward takes the stats of "
+                "a forward for a backward (exact=True)");
+    // tasks (group, part): with fewer groups than threads, a group's key chunks are dealt out
+    // to `parts` tasks, each with a float32 dQ of its own, summed at the end
+    const int64_t chunks = (p.S + kKeyChunk - 1) / kKeyChunk;
+    const int64_t parts = groups < threads ? std::min(chunks, (threads + groups - 1) / groups) : 1;
+    Tensor dq_parts = at::empty({parts, groups, p.G * p.L, p.E}, f32);
+    Tensor dk16 = at::empty({groups, p.S, p.E}, q5.options());
+    Tensor dv16 = at::empty({groups, p.S, p.Ev}, q5.options());
+    run_tasks(groups * parts, threads, [&](int64_t task, Scratch& sc) {
+      const int64_t part = task % parts;
+      Tensor dq_t = dq_parts.select(0, part);
+      backward_group_brgemm(p, do3, q3, k3, v3, st, dq_t, dk16, dv16, task / parts, part, parts,
+                            sc);
+      cb::brgemm_release();
+    });
+    Tensor dq3 = (parts > 1 ? dq_parts.sum(0) : dq_parts.select(0, 0)).to(q5.scalar_type());
+    return {dq3.view({p.B, p.Hkv, p.G, p.L, p.E}), dk16.view({p.B, p.Hkv, p.S, p.E}),
+            dv16.view({p.B, p.Hkv, p.S, p.Ev})};
+  }
+#else
+  take_brgemm(brgemm, p, q5, {});
+#endif
+  Tensor dq3 = at::empty({groups, p.G * p.L, p.E}, f32);
   Tensor dk3 = at::zeros({groups, p.S, p.E}, f32);
   Tensor dv3 = at::zeros({groups, p.S, p.Ev}, f32);
-  const float* st = stats.data_ptr<float>();
   // Fewer groups (batch row, kv head) than threads: each group's row blocks are dealt out to
   // `parts` tasks, each summing dK, dV into a float32 copy of its own, added up at the end
   // (deterministic: a task's blocks and the final sum run in a fixed order).
-  const int64_t parts = use_brgemm ? parts_for(p, groups, threads)
-                     : groups < threads ? std::min<int64_t>((threads + groups - 1) / groups, p.L)
-                                        : 1;
+  const int64_t parts = groups < threads ? std::min<int64_t>((threads + groups - 1) / groups, p.L) : 1;
   Tensor dk_parts = dk3, dv_parts = dv3;
   if (parts > 1) {
-    if (!use_brgemm)
-      p.rows = std::max<int64_t>(1, std::min(p.rows, (p.L + 2 * parts - 1) / (2 * parts)));
+    p.rows = std::max<int64_t>(1, std::min(p.rows, (p.L + 2 * parts - 1) / (2 * parts)));
     dk_parts = at::zeros({parts, groups, p.S, p.E}, f32);
     dv_parts = at::zeros({parts, groups, p.S, p.Ev}, f32);
   }
-  const int64_t nb = parts > 1 || use_brgemm ? 1 : groups_per_block(p, per_block);
+  const int64_t nb = parts > 1 ? 1 : groups_per_block(p, per_block);
   const int64_t chunks = (groups + nb - 1) / nb, n = chunks * parts;
-#if defined(ATTNLAB_BRGEMM)
-  if (use_brgemm) {
-    // dQ in bfloat16; dK, dV too where one task sums a group's blocks (else the parts' sum,
-    // in float32, is rounded by the caller)
-    Tensor dk16, dv16;
-    if (parts == 1) {
-      dk16 = at::empty({groups, p.S, p.E}, q5.options());
-      dv16 = at::empty({groups, p.S, p.Ev}, q5.options());
-    }
-    run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
-      const int64_t part = task % parts;
-      Tensor dk_t = parts > 1 ? dk_parts.select(0, part) : dk3;
-      Tensor dv_t = parts > 1 ? dv_parts.select(0, part) : dv3;
-      backward_group_brgemm(p, do3, q3, k3, v3, st, dq3, dk_t, dv_t,
-                            parts == 1 ? &dk16 : nullptr, parts == 1 ? &dv16 : nullptr,
-                            task / parts, part, parts, sc);
-      cb::brgemm_release();
-    });
-    if (parts == 1) {
-      dk3 = dk16;
-      dv3 = dv16;
-    }
-  } else
-#endif
   for_products(q5.scalar_type(), [&](auto zero) {
     using mm_t = decltype(zero);
     run_tasks(n, threads, [&](int64_t task, Scratch& sc) {

@@ -178,7 +178,10 @@ def flash_attention(q, k, v, mask, alignment, scale, dropout_p, generator=None):
     seed = int(torch.randint(2**62, (), generator=generator)) if dropout_p > 0 else 0
     # (decided here, outside the Function: inside it torch.func shows its forward no transform)
     native_ok = not _under_torch_func()
-    return _FlashAttention.apply(q, k, v, mask, alignment, scale, dropout_p, seed, native_ok)[0]
+    exact = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))  # (see _forward)
+    return _FlashAttention.apply(
+        q, k, v, mask, alignment, scale, dropout_p, seed, native_ok, exact
+    )[0]
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -188,12 +191,12 @@ class _FlashAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(q, k, v, mask, alignment, scale, dropout_p, seed, native_ok):
-        return _forward(q, k, v, mask, alignment, scale, dropout_p, seed, native_ok)
+    def forward(q, k, v, mask, alignment, scale, dropout_p, seed, native_ok, exact):
+        return _forward(q, k, v, mask, alignment, scale, dropout_p, seed, native_ok, exact)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, mask, alignment, scale, dropout_p, seed, native_ok = inputs
+        q, k, v, mask, alignment, scale, dropout_p, seed, native_ok, _ = inputs
         out, stats = output
         ctx.mark_non_differentiable(stats)
         ctx.save_for_backward(q, k, v, out, stats, mask)
@@ -204,7 +207,7 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, dout, dstats):
         q, k, v, out, stats, mask = ctx.saved_tensors
         grads = _backward(dout, q, k, v, out, stats, mask, *ctx.args)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 class _Plan:
@@ -515,18 +518,23 @@ def _mask5(mask, plan):
     return ~mask if mask.dtype == torch.bool else mask
 
 
-def _forward(q, k, v, mask, alignment, scale, dropout_p, seed, native_ok=True):
-    """(out (B, H, L, Ev), stats (B, H, L, 2)): the blocks of the forward, on the kernel's
-    threads; ``stats`` holds each row's max score and the log of its sum of exponentials, in
-    the plan's unit (the log-sum-exp is their sum), for the backward only."""
+def _forward(q, k, v, mask, alignment, scale, dropout_p, seed, native_ok=True, exact=True):
+    """(out (B, H, L, Ev), stats (B, H, L, 2 or 2 + Ev)): the blocks of the forward, on the
+    kernel's threads; ``stats`` holds each row's max score and the log of its sum of
+    exponentials, in the plan's unit (the log-sum-exp is their sum), for the backward only.
+
+    ``exact`` (a forward for a backward), where the C++ kernel's products go through brgemm:
+    ``stats`` also holds each row's output in float32 from the float32 weights (a second
+    product with what their rounding to bfloat16 left), so that the backward's D = dO . O
+    needs no pass over every key before its key chunks (:func:`_stats_width`)."""
     plan = _Plan(q, k, v, mask, alignment, scale, dropout_p, seed)
     plan.load(q, k, v)
     B, Hkv, G, L = plan.B, plan.Hkv, plan.G, plan.L
     native = plan.native() if native_ok else None
     if native is not None:
         with torch.autocast("cpu", enabled=False):
-            out, stats = native.forward(plan.q, plan.k, plan.v, *plan.native_args())
-        return out.view(B, plan.H, L, plan.Ev).to(q.dtype), stats.view(B, plan.H, L, 2)
+            out, stats = native.forward(plan.q, plan.k, plan.v, *plan.native_args(), exact)
+        return out.view(B, plan.H, L, plan.Ev).to(q.dtype), stats.view(B, plan.H, L, -1)
     out = q.new_empty(B, Hkv, G, L, plan.Ev)
     stats = torch.zeros(B, Hkv, G, L, 2, dtype=plan.dtype)
     stats[..., 0] = inf  # +inf: a dead row (a block that sees no key writes nothing)
@@ -542,7 +550,7 @@ def _backward(dout, q, k, v, out, stats, mask, alignment, scale, dropout_p, seed
     plan.load(q, k, v)
     B, Hkv, G, L, S, E, Ev = plan.B, plan.Hkv, plan.G, plan.L, plan.S, plan.E, plan.Ev
     acc = plan.dtype
-    stats = stats.view(B, Hkv, G, L, 2)
+    stats = stats.view(B, Hkv, G, L, -1)
     do = dout.to(plan.mm_dtype).reshape(B, Hkv, G, L, Ev)  # (B, H, L, Ev) -> 5-D
     native = plan.native() if native_ok else None
     if native is not None:
@@ -588,7 +596,13 @@ def _flash_op(
 def _(q, k, v, mask, alignment, scale, dropout_p, seed):
     B, H, L, _ = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, 2, dtype=acc)
+    return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, _stats_width(q, k, v), dtype=acc)
+
+
+def _stats_width(q, k, v):
+    """The last dim of ``stats`` from an exact forward (the operator's: a graph may train)."""
+    plan = _Plan(q, k, v, None, None, 1.0, 0.0, 0)
+    return 2 + plan.Ev if plan.native() is not None and plan.brgemm() else 2
 
 
 @torch.library.custom_op("attnlab::cpu_flash_backward", mutates_args=(), device_types="cpu")
