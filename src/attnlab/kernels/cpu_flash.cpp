@@ -512,60 +512,41 @@ Packed pack_rows(const bf16* x, int64_t K, int64_t N, int64_t ld, void* out) {
   return b;
 }
 
-// pack_rows of X from float32 rows, column c times col_scale[c], rounded to bfloat16 (as
-// store_bf16 rounds); with rest, what the rounding left (X - the packed X) packed there too.
+// pack_rows of X from float32 rows, column c times col_scale[c] (rounded to bfloat16 as
+// store_bf16 rounds).
 Packed pack_rows(const float* x, int64_t K, int64_t N, int64_t ld, void* out,
-                 const float* col_scale, void* rest = nullptr) {
+                 const float* col_scale) {
   Packed b{static_cast<bf16*>(out), K, N};
 #if defined(__AVX512BF16__)
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                          16, 0);  // (a0 b0 a1 b1 ... from a0..a15 b0..b15)
-  auto widen = [](__m256i h) {  // 16 bfloat16 back to float32
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  };
 #endif
   for (int64_t c0 = 0; c0 < N; c0 += kCols) {
     const int64_t nc = std::min(kCols, N - c0);
     bf16* blk = b.data + c0 / kCols * b.block();
-    bf16* rblk = rest != nullptr ? static_cast<bf16*>(rest) + c0 / kCols * b.block() : nullptr;
     for (int64_t k = 0; k < K; k += 2) {
       const float* lo = x + k * ld + c0;
       const float* hi = k + 1 < K ? lo + ld : nullptr;
       bf16* o = blk + k / 2 * 2 * kCols;
-      bf16* r = rblk != nullptr ? rblk + k / 2 * 2 * kCols : nullptr;
       int64_t c = 0;
 #if defined(__AVX512BF16__)
       if (hi != nullptr) {
         for (; c + 16 <= nc; c += 16) {
           const __m512 s = _mm512_loadu_ps(col_scale + c0 + c);
-          const __m512 ya = _mm512_mul_ps(_mm512_loadu_ps(lo + c), s);
-          const __m512 yb = _mm512_mul_ps(_mm512_loadu_ps(hi + c), s);
-          const __m512bh ab = _mm512_cvtne2ps_pbh(yb, ya);
-          const __m512i abi = reinterpret_cast<const __m512i&>(ab);
-          _mm512_storeu_si512(o + 2 * c, _mm512_permutexvar_epi16(pairs, abi));
-          if (r != nullptr) {
-            const __m512 ra = _mm512_sub_ps(ya, widen(_mm512_castsi512_si256(abi)));
-            const __m512 rb = _mm512_sub_ps(yb, widen(_mm512_extracti64x4_epi64(abi, 1)));
-            const __m512bh rab = _mm512_cvtne2ps_pbh(rb, ra);
-            _mm512_storeu_si512(r + 2 * c, _mm512_permutexvar_epi16(
-                                               pairs, reinterpret_cast<const __m512i&>(rab)));
-          }
+          const __m512bh ab = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(hi + c), s),
+                                                  _mm512_mul_ps(_mm512_loadu_ps(lo + c), s));
+          _mm512_storeu_si512(o + 2 * c, _mm512_permutexvar_epi16(
+                                             pairs, reinterpret_cast<const __m512i&>(ab)));
         }
       }
 #endif
       for (; c < nc; ++c) {
         const float s = col_scale[c0 + c];
-        const float ya = lo[c] * s, yb = hi != nullptr ? hi[c] * s : 0.f;
-        o[2 * c] = static_cast<bf16>(ya);
-        o[2 * c + 1] = static_cast<bf16>(yb);
-        if (r != nullptr) {
-          r[2 * c] = static_cast<bf16>(ya - static_cast<float>(o[2 * c]));
-          r[2 * c + 1] = static_cast<bf16>(yb - static_cast<float>(o[2 * c + 1]));
-        }
+        o[2 * c] = static_cast<bf16>(lo[c] * s);
+        o[2 * c + 1] = hi != nullptr ? static_cast<bf16>(hi[c] * s) : bf16(0.f);
       }
       std::fill(o + 2 * nc, o + 2 * kCols, bf16(0.f));
-      if (r != nullptr) std::fill(r + 2 * nc, r + 2 * kCols, bf16(0.f));
     }
   }
   return b;
@@ -776,6 +757,13 @@ inline __m256i to_bf16(__m512 x, __mmask16 valid) {
   return reinterpret_cast<const __m256i&>(h);
 }
 
+// x rounded to bfloat16 (to nearest even), as float32.
+inline __m512 round_bf16(__m512 x) {
+  const __m256bh h = _mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
+}
+
 inline __mmask16 lanes(int64_t R, int v) {  // lanes of vector v below R
   const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, R - 16 * v));
   return static_cast<__mmask16>((1u << n) - 1u);
@@ -785,7 +773,7 @@ inline __mmask16 lanes(int64_t R, int v) {  // lanes of vector v below R
 // P^T Z / rho packed for brgemm (key pairs interleaved) into out.
 template <int NV>
 void softmax_cols(const Params& p, float* st, const Block& b, float unit, float* stats,
-                  uint64_t* keys, void* out, void* rest) {
+                  uint64_t* keys, void* out) {
   const int64_t N = b.N, Rs = 16 * NV;
   __m512 m[NV], total[NV];
   for (int v = 0; v < NV; ++v) m[v] = _mm512_set1_ps(-kInf);
@@ -823,7 +811,7 @@ void softmax_cols(const Params& p, float* st, const Block& b, float unit, float*
     norm[i] = tf[i] == 0.f ? 0.f : 1.f / tf[i];  // (NaN stays NaN)
   }
   if (p.dropout) drop_cols(p, st, st, b, keys);
-  pack_rows(st, N, b.R, Rs, out, norm, rest);
+  pack_rows(st, N, b.R, Rs, out, norm);
 }
 
 // Backward, first pass: P (in place of St) and W = P Z / rho (in w, or P itself), and W^T in
@@ -863,9 +851,10 @@ void probabilities_cols(const Params& p, float* st, float* w, const Block& b, fl
   }
 }
 
-// Backward, second pass: s dS = s (W dP - P D) (0 where P is, and past R; D = dO . O of the
-// block's rows) in 16 bits, as rows (dsb, N x Rs) and packed for brgemm (ds_p: key pairs
-// interleaved, kCols columns).
+// Backward, second pass: s dS = s (W' dP - P D) (0 where P is, and past R), W' = W rounded
+// to bfloat16 as the forward's product took it and D = dO . O = sum_j W' dP of the block's
+// rows (so that each row of dS sums to 0, as the readable formula's in bfloat16), in 16 bits:
+// as rows (dsb, N x Rs) and packed for brgemm (ds_p: key pairs interleaved, kCols columns).
 template <int NV>
 void score_grads_cols(const Params& p, const float* st, const float* w, const float* dpt,
                       const Block& b, const float* d_in, bf16* dsb, bf16* ds_p) {
@@ -886,7 +875,7 @@ void score_grads_cols(const Params& p, const float* st, const float* w, const fl
           continue;
         }
         const int64_t x = (c + h) * Rs + 16 * v;
-        const __m512 pr = _mm512_loadu_ps(st + x), wv = _mm512_loadu_ps(w + x);
+        const __m512 pr = _mm512_loadu_ps(st + x), wv = round_bf16(_mm512_loadu_ps(w + x));
         const __mmask16 live = _mm512_cmp_ps_mask(pr, zero, _CMP_NEQ_UQ) & lanes(b.R, v);
         const __m512 g = _mm512_fmsub_ps(wv, _mm512_loadu_ps(dpt + x), _mm512_mul_ps(pr, d[v]));
         ds[h][v] = _mm512_maskz_mul_ps(live, g, scale);
@@ -935,8 +924,7 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
   float* st = static_cast<float*>(sc.s.get(ld * rows_s * sizeof(float)));
   void* qt_p = sc.qt_p.get(Packed::bytes(E, rows));
   void* pt_p = sc.pt_p.get(Packed::bytes(ld, rows));
-  const bool exact = p.sw > 2;  // (for a backward: the output from float32 weights in stats)
-  void* rest_p = exact ? sc.dot_p.get(Packed::bytes(ld, rows)) : nullptr;
+  const bool exact = p.sw > 2;  // (for a backward: each row's float32 output in stats)
   float* ot = static_cast<float*>(sc.o.get(Ev * rows * sizeof(float)));
   float* o = static_cast<float*>(sc.pf.get(rows * Ev * sizeof(float)));
   uint64_t* keys = static_cast<uint64_t*>(sc.t.get(2 * rows_s * sizeof(uint64_t)));
@@ -955,14 +943,12 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
         for (int64_t c = 0; c < N; ++c) std::fill(st + c * b.Rs + R, st + (c + 1) * b.Rs, 0.f);
       const float unit = scores_cols(p, st, b);
       for_vectors(b.nv(), [&](auto nv) {
-        softmax_cols<decltype(nv)::value>(p, st, b, unit, stats, keys, pt_p, rest_p);
+        softmax_cols<decltype(nv)::value>(p, st, b, unit, stats, keys, pt_p);
       });
       const Packed pt{static_cast<bf16*>(pt_p), N, R};  // P^T Z / rho, in bfloat16
       {
         HiddenColumn hidden(vt, Ev, ld, N, S);
         gemm(Ev, R, N, vt, ld, pt, ot, R, false);  // O^T = V^T P^T
-        if (exact)  // + V^T (what P^T's rounding left): the output of the float32 weights
-          gemm(Ev, R, N, vt, ld, Packed{static_cast<bf16*>(rest_p), N, R}, ot, R, true);
       }
       transpose(ot, Ev, R, R, o, Ev);
       store_bf16(o, orows, R * Ev);
@@ -981,8 +967,8 @@ constexpr int64_t kKeyChunk = 512;
 // The backward of group gi (batch row, kv head) over key chunks first, first + stride, ...:
 // dK, dV of those keys (bfloat16, into dk16, dv16: the chunks are this task's alone), and the
 // chunks' part of dQ into dq32 ((G*L, E) float32 of this task). D = dO . O for every row, O
-// from the forward's float32 weights (stats; from its bfloat16 output D would be 2^-9 off,
-// and dK with it, 5x the readable formula's error in a test).
+// the forward's float32 output (in stats; from its bfloat16 output D would be 2^-9 off the
+// dS it goes with, and dK with it, 5x the readable formula's error in a test).
 void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
                            const Tensor& k3, const Tensor& v3,
                            const float* stats, Tensor& dq32, Tensor& dk16, Tensor& dv16,
