@@ -193,10 +193,9 @@ struct Slot {
 constexpr size_t kKeptBytes = size_t(64) << 20;
 struct Scratch {
   Slot q, s, pm, o, t, keep, words, pf, w, dp, dsm;
-  Slot kvt, qt_p, dot_p, q_p, do_p, pt_p;  // (brgemm: K^T or V^T, packed operands)
+  Slot kvt, qt_p, pt_p;  // (brgemm: K^T or V^T, packed operands)
   void trim() {
-    Slot* slots[] = {&q,  &s,    &pm,    &o,   &t,    &keep, &words, &pf, &w,
-                     &dp, &dsm,  &kvt,   &qt_p, &dot_p, &q_p, &do_p, &pt_p};
+    Slot* slots[] = {&q, &s, &pm, &o, &t, &keep, &words, &pf, &w, &dp, &dsm, &kvt, &qt_p, &pt_p};
     size_t total = 0;
     for (Slot* slot : slots) total += slot->bytes;
     if (total > kKeptBytes)
@@ -996,10 +995,23 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
   // dQ^T of every (head, row block), E x Rs each, summed over the chunks
   float* dqt = static_cast<float*>(sc.o.get(G * blocks * E * rows_s * sizeof(float)));
   float* d = static_cast<float*>(sc.words.get((G * L + 64) * sizeof(float)));  // D per row
-  void* qt_p = sc.qt_p.get(Packed::bytes(E, rows));
-  void* dot_p = sc.dot_p.get(Packed::bytes(Ev, rows));
-  void* q_p = sc.q_p.get(Packed::bytes(rows, E));
-  void* do_p = sc.do_p.get(Packed::bytes(rows, Ev));
+  // each (head, row block)'s Q and dO packed once, for every chunk: as B of St and dP^T
+  // (Q^T, dO^T) and of dK and dV (Q, dO)
+  const size_t qt_n = Packed::bytes(E, rows) / sizeof(bf16), dot_n = Packed::bytes(Ev, rows) / sizeof(bf16);
+  const size_t q_n = Packed::bytes(rows, E) / sizeof(bf16), do_n = Packed::bytes(rows, Ev) / sizeof(bf16);
+  const size_t per_block = qt_n + dot_n + q_n + do_n;
+  bf16* packs = static_cast<bf16*>(sc.qt_p.get(G * blocks * per_block * sizeof(bf16)));
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t r0 = blk * rows, R = std::min(L, r0 + rows) - r0;
+      bf16* at = packs + (g * blocks + blk) * per_block;
+      const bf16* qb = q + (g * L + r0) * ldq;
+      const bf16* dob = dout + (g * L + r0) * lddo;
+      pack_transposed(qb, R, E, ldq, at);
+      pack_transposed(dob, R, Ev, lddo, at + qt_n);
+      pack_rows(qb, R, E, ldq, at + qt_n + dot_n);
+      pack_rows(dob, R, Ev, lddo, at + qt_n + dot_n + q_n);
+    }
   bf16* ds_p = static_cast<bf16*>(sc.pt_p.get(Packed::bytes(ldc, kCols)));
   uint64_t* keys = static_cast<uint64_t*>(sc.t.get(2 * rows_s * sizeof(uint64_t)));
   for (int64_t r = 0; r < G * L; ++r) {  // D = dO . O (O from the forward's float32 weights)
@@ -1025,12 +1037,11 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
       for (int64_t g = 0; g < G; ++g) {
         Block b{N, R, (R + 15) / 16 * 16, gi, g, r0, (gi * G + g) * L + r0};
         b.k0 = k0;
-        const bf16* qb = q + (g * L + r0) * ldq;
-        const bf16* dob = dout + (g * L + r0) * lddo;
-        const bf16* kc = k + k0 * ldk;
-        gemm(N, R, E, kc, ldk, pack_transposed(qb, R, E, ldq, qt_p), st, b.Rs, false);  // St
-        gemm(N, R, Ev, v + k0 * ldv, ldv, pack_transposed(dob, R, Ev, lddo, dot_p), dpt, b.Rs,
-             false);  // dP^T
+        bf16* at = packs + (g * blocks + blk) * per_block;
+        const Packed qt{at, E, R}, dot{at + qt_n, Ev, R};
+        const Packed qr{at + qt_n + dot_n, R, E}, dor{at + qt_n + dot_n + q_n, R, Ev};
+        gemm(N, R, E, k + k0 * ldk, ldk, qt, st, b.Rs, false);     // St = K Q^T
+        gemm(N, R, Ev, v + k0 * ldv, ldv, dot, dpt, b.Rs, false);  // dP^T = V dO^T
         if (R < b.Rs) {  // (the lanes past R: numbers, never read out)
           for (int64_t c = 0; c < N; ++c) {
             std::fill(st + c * b.Rs + R, st + (c + 1) * b.Rs, 0.f);
@@ -1041,11 +1052,11 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
         for_vectors(b.nv(), [&](auto nv) {
           probabilities_cols<decltype(nv)::value>(p, st, wt, b, unit, stats, keys, wb);
         });
-        gemm(N, Ev, R, wb, b.Rs, pack_rows(dob, R, Ev, lddo, do_p), dv, Ev, true);  // dV += W^T dO
+        gemm(N, Ev, R, wb, b.Rs, dor, dv, Ev, true);  // dV += W^T dO
         for_vectors(b.nv(), [&](auto nv) {  // (s dS^T in W^T's place)
           score_grads_cols<decltype(nv)::value>(p, st, wt, dpt, b, d + g * L + r0, wb, ds_p);
         });
-        gemm(N, E, R, wb, b.Rs, pack_rows(qb, R, E, ldq, q_p), dk, E, true);  // dK += s dS^T Q
+        gemm(N, E, R, wb, b.Rs, qr, dk, E, true);  // dK += s dS^T Q
         {
           HiddenColumn hidden(kt, E, ldc, N, nk);
           float* acc = dqt + (g * blocks + blk) * E * rows_s;
