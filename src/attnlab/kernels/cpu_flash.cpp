@@ -802,7 +802,8 @@ void softmax_cols(const Params& p, float* st, const Block& b, float unit, float*
   for (int64_t i = 0; i < b.R; ++i) {
     float* s2 = stats + (b.row0 + i) * p.sw;
     if (mf[i] == -kInf) {  // no visible key: dead (+inf, 0), or a NaN row
-      if (tf[i] != tf[i]) s2[0] = kNaN;
+      s2[0] = tf[i] != tf[i] ? kNaN : kInf;
+      s2[1] = 0.f;
     } else {
       s2[0] = mf[i] * to_natural;
       s2[1] = std::log(tf[i]);
@@ -931,8 +932,13 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
     const int64_t R = std::min(L, r0 + rows) - r0, N = block_keys(p, r0 + R);
     for (int64_t g = 0; g < G; ++g) {
       bf16* orows = out + (g * L + r0) * Ev;
-      if (N <= 0) {  // every row before the first key: dead (stats were set so)
+      if (N <= 0) {  // every row before the first key: dead, stats (+inf, 0), output 0
         std::fill(orows, orows + R * Ev, bf16(0.f));
+        for (int64_t i = 0; i < R; ++i) {
+          float* s2 = stats + ((gi * G + g) * L + r0 + i) * p.sw;
+          std::fill(s2, s2 + p.sw, 0.f);
+          s2[0] = kInf;
+        }
         continue;
       }
       const Block b{N, R, (R + 15) / 16 * 16, gi, g, r0, (gi * G + g) * L + r0};
@@ -965,12 +971,13 @@ constexpr int64_t kKeyChunk = 512;
 
 // The backward of group gi (batch row, kv head) over key chunks first, first + stride, ...:
 // dK, dV of those keys (bfloat16, into dk16, dv16: the chunks are this task's alone), and the
-// chunks' part of dQ into dq32 ((G*L, E) float32 of this task). D = dO . O for every row, O
+// chunks' part of dQ into dq_out (bfloat16 where the task holds every chunk, else this task's
+// float32 (G*L, E), summed by the caller). D = dO . O for every row, O
 // the forward's float32 output (in stats; from its bfloat16 output D would be 2^-9 off the
 // dS it goes with, and dK with it, 5x the readable formula's error in a test).
 void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
                            const Tensor& k3, const Tensor& v3,
-                           const float* stats, Tensor& dq32, Tensor& dk16, Tensor& dv16,
+                           const float* stats, Tensor& dq_out, Tensor& dk16, Tensor& dv16,
                            int64_t gi, int64_t first, int64_t stride, Scratch& sc) {
   const int64_t G = p.G, L = p.L, S = p.S, E = p.E, Ev = p.Ev, rows = p.rows;
   const int64_t rows_s = (rows + 15) / 16 * 16, blocks = (L + rows - 1) / rows;
@@ -980,7 +987,7 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
   const bf16* v = v3.data_ptr<bf16>() + gi * v3.stride(0);
   const int64_t ldq = q3.stride(1), lddo = do3.stride(1);
   const int64_t ldk = k3.stride(1), ldv = v3.stride(1);
-  float* dq = dq32.data_ptr<float>() + gi * dq32.stride(0);
+  const bool dq_whole = dq_out.scalar_type() == at::kBFloat16;  // (else this part's, float32)
   bf16* dk_out = dk16.data_ptr<bf16>() + gi * dk16.stride(0);
   bf16* dv_out = dv16.data_ptr<bf16>() + gi * dv16.stride(0);
   const int64_t chunk = std::min(kKeyChunk, S), ldc = even(chunk);
@@ -1067,10 +1074,18 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
     store_bf16(dk, dk_out + k0 * E, nk * E);
     store_bf16(dv, dv_out + k0 * Ev, nk * Ev);
   }
+  float* rows_f = static_cast<float*>(sc.pf.get(rows * E * sizeof(float)));
   for (int64_t g = 0; g < G; ++g)
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t r0 = blk * rows, R = std::min(L, r0 + rows) - r0;
-      transpose(dqt + (g * blocks + blk) * E * rows_s, E, R, rows_s, dq + (g * L + r0) * E, E);
+      const float* acc = dqt + (g * blocks + blk) * E * rows_s;
+      const int64_t at = gi * dq_out.stride(0) + (g * L + r0) * E;
+      if (dq_whole) {
+        transpose(acc, E, R, rows_s, rows_f, E);
+        store_bf16(rows_f, dq_out.data_ptr<bf16>() + at, R * E);
+      } else {
+        transpose(acc, E, R, rows_s, dq_out.data_ptr<float>() + at, E);
+      }
     }
 }
 #else
@@ -1165,12 +1180,11 @@ std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
   float* st = stats.data_ptr<float>();
 #if defined(ATTNLAB_BRGEMM)
   if (take_brgemm(brgemm, p, q5, {&q3, &k3, &v3})) {
-    if (exact) {  // a forward for a backward: each row's float32 output goes with its stats
-      p.sw = 2 + p.Ev;
-      stats = at::zeros({p.B, p.Hkv, p.G, p.L, p.sw}, q5.options().dtype(at::kFloat));
-      stats.select(4, 0).fill_(kInf);
-      st = stats.data_ptr<float>();
-    }
+    // (every row's stats written there); a forward for a backward: each row's float32
+    // output goes with its stats
+    p.sw = exact ? 2 + p.Ev : 2;
+    stats = at::empty({p.B, p.Hkv, p.G, p.L, p.sw}, q5.options().dtype(at::kFloat));
+    st = stats.data_ptr<float>();
     const int64_t parts = parts_for(p, groups, threads);
     run_tasks(groups * parts, threads, [&](int64_t task, Scratch& sc) {
       forward_group_brgemm(p, q3, k3, v3, out3, st, task / parts, task % parts, parts, sc);
@@ -1217,7 +1231,8 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
     // to `parts` tasks, each with a float32 dQ of its own, summed at the end
     const int64_t chunks = (p.S + kKeyChunk - 1) / kKeyChunk;
     const int64_t parts = groups < threads ? std::min(chunks, (threads + groups - 1) / groups) : 1;
-    Tensor dq_parts = at::empty({parts, groups, p.G * p.L, p.E}, f32);
+    Tensor dq_parts = parts > 1 ? at::empty({parts, groups, p.G * p.L, p.E}, f32)
+                                : at::empty({1, groups, p.G * p.L, p.E}, q5.options());
     Tensor dk16 = at::empty({groups, p.S, p.E}, q5.options());
     Tensor dv16 = at::empty({groups, p.S, p.Ev}, q5.options());
     run_tasks(groups * parts, threads, [&](int64_t task, Scratch& sc) {
@@ -1227,7 +1242,7 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
                             sc);
       cb::brgemm_release();
     });
-    Tensor dq3 = (parts > 1 ? dq_parts.sum(0) : dq_parts.select(0, 0)).to(q5.scalar_type());
+    Tensor dq3 = parts > 1 ? dq_parts.sum(0).to(q5.scalar_type()) : dq_parts.select(0, 0);
     return {dq3.view({p.B, p.Hkv, p.G, p.L, p.E}), dk16.view({p.B, p.Hkv, p.S, p.E}),
             dv16.view({p.B, p.Hkv, p.S, p.Ev})};
   }
