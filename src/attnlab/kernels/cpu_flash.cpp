@@ -24,6 +24,10 @@
 // and the mask does not depend on the tiling or the thread count.
 //
 // Rows with no visible key: output 0, stats (+inf, 0), gradients 0.
+//
+// bfloat16 products on a CPU whose oneDNN packs for them take the brgemm path (the section
+// "bfloat16 products through oneDNN's brgemm" below): the same math, blocks kept key-major,
+// the backward over key chunks; float32, and bfloat16 elsewhere, the at::bmm blocks above it.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -635,6 +639,26 @@ void transpose(const float* x, int64_t R, int64_t X, int64_t ld, float* out, int
   if (R16 < R) transpose<float>(x + R16 * ld, R - R16, X16, ld, out + R16, ld_out);
 }
 
+// out (X x even(R), leading dimension ld_out, even) = x^T for bfloat16 (x: R rows of X,
+// leading dimension ld; a zero last column when R is odd): x's rows taken in pairs as 32-bit
+// words (words: (R+1)/2 x X), whose transpose sets each pair side by side in out's rows.
+void transpose_pairs(const bf16* x, int64_t R, int64_t X, int64_t ld, bf16* out,
+                     int64_t ld_out, uint32_t* words) {
+  const uint16_t* x16 = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t j = 0; 2 * j < R; ++j) {
+    const uint16_t* lo = x16 + 2 * j * ld;
+    uint32_t* w = words + j * X;
+    if (2 * j + 1 < R) {
+      const uint16_t* hi = lo + ld;
+      for (int64_t e = 0; e < X; ++e) w[e] = uint32_t(lo[e]) | (uint32_t(hi[e]) << 16);
+    } else {
+      for (int64_t e = 0; e < X; ++e) w[e] = lo[e];
+    }
+  }
+  transpose(reinterpret_cast<const float*>(words), (R + 1) / 2, X, X,
+            reinterpret_cast<float*>(out), ld_out / 2);
+}
+
 // C (M x N, leading dimension ldc) = A B, or += with add: A's first even(K) columns (lda) by
 // B's first even(K) rows and first N columns.
 void gemm(int64_t M, int64_t N, int64_t K, const bf16* A, int64_t lda, const Packed& B, float* C,
@@ -918,9 +942,7 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
   bf16* out = out3.data_ptr<bf16>() + gi * out3.stride(0);
   const int64_t ldq = q3.stride(1), ldk = k3.stride(1), ldv = v3.stride(1);
   bf16* vt = static_cast<bf16*>(sc.kvt.get(Ev * ld * sizeof(bf16)));  // V^T (Ev x S)
-  transpose(v, S, Ev, ldv, vt, ld);
-  if (S < ld)
-    for (int64_t e = 0; e < Ev; ++e) vt[e * ld + S] = bf16(0.f);
+  transpose_pairs(v, S, Ev, ldv, vt, ld, static_cast<uint32_t*>(sc.dp.get(ld / 2 * Ev * 4)));
   float* st = static_cast<float*>(sc.s.get(ld * rows_s * sizeof(float)));
   void* qt_p = sc.qt_p.get(Packed::bytes(E, rows));
   void* pt_p = sc.pt_p.get(Packed::bytes(ld, rows));
@@ -1021,6 +1043,7 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
     }
   bf16* ds_p = static_cast<bf16*>(sc.pt_p.get(Packed::bytes(ldc, kCols)));
   uint64_t* keys = static_cast<uint64_t*>(sc.t.get(2 * rows_s * sizeof(uint64_t)));
+  uint32_t* pair_words = static_cast<uint32_t*>(sc.dsm.get(ldc / 2 * E * sizeof(uint32_t)));
   for (int64_t r = 0; r < G * L; ++r) {  // D = dO . O (O from the forward's float32 weights)
     const bf16* a = dout + r * lddo;
     const float* b = stats + ((gi * G) * L + r) * p.sw + 2;
@@ -1032,9 +1055,7 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
   std::fill(dqt, dqt + G * blocks * E * rows_s, 0.f);
   for (int64_t k0 = first * chunk; k0 < S; k0 += stride * chunk) {
     const int64_t nk = std::min(S, k0 + chunk) - k0;
-    transpose(k + k0 * ldk, nk, E, ldk, kt, ldc);
-    if (nk < ldc)
-      for (int64_t e = 0; e < E; ++e) kt[e * ldc + nk] = bf16(0.f);
+    transpose_pairs(k + k0 * ldk, nk, E, ldk, kt, ldc, pair_words);
     std::fill(dk, dk + nk * E, 0.f);
     std::fill(dv, dv + nk * Ev, 0.f);
     for (int64_t blk = 0; blk < blocks; ++blk) {

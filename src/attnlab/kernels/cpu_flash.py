@@ -130,7 +130,7 @@ def describe(q, k, v, alignment) -> str:
             threads = "1 (a forked child: OpenMP's threads do not survive fork)"
         rows, groups = plan.native_args()[4:6]
         if plan.brgemm():
-            products += " (oneDNN brgemm, packed K and V, float32 sums)"
+            products += " (oneDNN brgemm: float32 scores and sums, keys in chunks of 512 in the backward)"
         elif plan.mm_dtype == torch.bfloat16:
             why = "odd head dims" if plan.E % 2 or plan.Ev % 2 else "no brgemm for this CPU"
             products += f" (at::bmm; {why})"
@@ -524,9 +524,9 @@ def _forward(q, k, v, mask, alignment, scale, dropout_p, seed, native_ok=True, e
     exponentials, in the plan's unit (the log-sum-exp is their sum), for the backward only.
 
     ``exact`` (a forward for a backward), where the C++ kernel's products go through brgemm:
-    ``stats`` also holds each row's output in float32 from the float32 weights (a second
-    product with what their rounding to bfloat16 left), so that the backward's D = dO . O
-    needs no pass over every key before its key chunks (:func:`_stats_width`)."""
+    ``stats`` also holds each row's output in float32, before its rounding to the output's
+    dtype, so that the backward's D = dO . O needs no pass over every key before its key
+    chunks (:func:`_stats_width`)."""
     plan = _Plan(q, k, v, mask, alignment, scale, dropout_p, seed)
     plan.load(q, k, v)
     B, Hkv, G, L = plan.B, plan.Hkv, plan.G, plan.L

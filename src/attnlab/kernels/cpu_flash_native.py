@@ -2,9 +2,13 @@
 
 :mod:`attnlab.kernels.cpu_flash` computes each block with ~20 torch ops, each a pass over the
 block's scores: Python and the passes cost it 1.3-1.8x torch's own fused kernel. The C++ file
-is the same algorithm with each row's passes fused into loops over one row in cache (the
-products stay ``at::bmm``: oneDNN/MKL, AMX in bfloat16), and the blocks spread over torch's
-threads with one parallel region per call.
+is the same algorithm with each row's passes fused into loops over one row in cache (products
+through ``at::bmm``: oneDNN/MKL), and the blocks spread over torch's threads with one parallel
+region per call. bfloat16 on a CPU whose oneDNN packs for it (AMX or AVX512-BF16: see
+:func:`brgemm`) takes a path of its own: blocks of 64 query rows kept key-major, each product
+one or two calls of oneDNN's brgemm micro-kernel (``at::native::cpublas``), scores and sums in
+float32, the softmax down columns 16 rows to a vector, and the backward over key chunks of 512
+(as FlashAttention-2's); 0.44-0.5x torch's bfloat16 forward+backward on one thread.
 
 Build: :func:`module` compiles it with ``torch.utils.cpp_extension.load`` the first time a
 process needs it (~1 minute on 2 cores, once per machine: torch caches the build under
