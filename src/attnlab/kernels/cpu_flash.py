@@ -129,15 +129,17 @@ def describe(q, k, v, alignment) -> str:
         if cpu_flash_native.threads() != torch.get_num_threads():
             threads = "1 (a forked child: OpenMP's threads do not survive fork)"
         rows, groups = plan.native_args()[4:6]
+        saves = "log-sum-exp"
         if plan.brgemm():
-            products += " (oneDNN brgemm: float32 scores and sums, keys in chunks of 512 in the backward)"
+            products += " (oneDNN brgemm: float32 scores and sums, the backward in key chunks)"
+            saves += " (and, for a backward, float32 output)"
         elif plan.mm_dtype == torch.bfloat16:
             why = "odd head dims" if plan.E % 2 or plan.Ev % 2 else "no brgemm for this CPU"
             products += f" (at::bmm; {why})"
         return (
             f"blocked CPU kernel (C++, cpu_flash.cpp): {plan.G}*{rows} query rows of "
             f"{groups} kv head(s) x every visible key per block, {products} products, "
-            f"{threads} thread(s); saves the row log-sum-exp, not the weights"
+            f"{threads} thread(s); saves the row {saves}, not the weights"
         )
     if plan.mm_dtype == torch.float64:
         why = "float64"
