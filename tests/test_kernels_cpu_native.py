@@ -341,3 +341,13 @@ def test_bf16_brgemm_dropout_gradients_use_the_forward_mask(monkeypatch, threads
     for name, t, o, c in zip(("out", "dq", "dk", "dv"), truth, ours, control, strict=True):
         err, err_control = (o.double() - t).abs().max(), (c.double() - t).abs().max()
         assert err <= 2 * err_control + 1e-3 * t.abs().max(), (name, float(err), float(err_control))
+
+
+def test_the_build_name_follows_every_source_file(monkeypatch, tmp_path):
+    """A change to the file cpu_flash.cpp reads in (the brgemm path) is a new build, not the
+    cached one of the old text."""
+    before = cpu_flash_native._cpu_tag()
+    header = tmp_path / "cpu_flash_brgemm.h"
+    header.write_bytes(cpu_flash_native.HEADERS[0].read_bytes() + b"\n// changed\n")
+    monkeypatch.setattr(cpu_flash_native, "HEADERS", [header])
+    assert cpu_flash_native._cpu_tag() != before

@@ -115,7 +115,7 @@ def test_the_sdist_holds_what_its_tests_need(dists):
     with tarfile.open(sdist) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     wanted = {"LICENSE", "README.md", "CHANGELOG.md", "CONTRIBUTING.md", "src/attnlab/py.typed"}
-    wanted.add("src/attnlab/kernels/cpu_flash.cpp")
+    wanted |= {"src/attnlab/kernels/cpu_flash.cpp", "src/attnlab/kernels/cpu_flash_brgemm.h"}
     for folder, pattern in [
         ("docs", "*.md"),
         ("tests", "*.py"),
@@ -136,6 +136,7 @@ def test_the_wheel_is_typed_and_licensed(dists):
         names = set(zf.namelist())
     assert "attnlab/py.typed" in names
     assert "attnlab/kernels/cpu_flash.cpp" in names  # (built on the user's machine)
+    assert "attnlab/kernels/cpu_flash_brgemm.h" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert not [n for n in names if n.startswith(("tests/", "docs/", "benchmarks/"))]
 

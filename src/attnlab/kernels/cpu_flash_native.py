@@ -35,6 +35,7 @@ import torch
 
 ENV = "ATTNLAB_CPU_NATIVE"  # "0": never build or use the C++ kernel
 SOURCE = Path(__file__).with_name("cpu_flash.cpp")
+HEADERS = [Path(__file__).with_name("cpu_flash_brgemm.h")]  # (read in by SOURCE)
 # -fopenmp: at::parallel_for is an OpenMP region compiled here (without it the blocks ran on one
 # thread); the runtime is the libgomp torch ships and has loaded (one runtime, shared)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
@@ -155,8 +156,8 @@ def _ninja_on_path() -> None:
 
 def _cpu_tag() -> str:
     """8 hex digits of this CPU's kind (its flags, or features and model), torch's version, the
-    machine and the source: one build per kind of CPU, torch and source (a shared home
-    directory keeps one of each, instead of rebuilding back and forth)."""
+    machine and the source (with the files it reads in): one build per kind of CPU, torch and
+    source (a shared home directory keeps one of each, instead of rebuilding back and forth)."""
     try:
         with open("/proc/cpuinfo") as f:
             kind = sorted({line for line in f if line.startswith(CPU_LINES)})
@@ -164,4 +165,6 @@ def _cpu_tag() -> str:
         kind = []
     about = [*kind, torch.__version__, platform.machine(), " ".join(FLAGS)]
     digest = hashlib.sha256("\n".join(about).encode() + SOURCE.read_bytes())
+    for header in HEADERS:
+        digest.update(header.read_bytes())
     return digest.hexdigest()[:8]

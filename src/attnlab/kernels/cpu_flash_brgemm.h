@@ -1,0 +1,655 @@
+// attnlab's blocked CPU attention: bfloat16 products through oneDNN's brgemm. A part of
+// cpu_flash.cpp, read in by it inside its namespace where ATTNLAB_BRGEMM is defined (its
+// types, row functions and scratch are that file's).
+//
+// A block is query rows r0:r0+R (R <= 64) of one head against its visible keys, kept
+// key-major: St = K Q^T (N x R), so that each product is one or two brgemm calls (B's packed
+// column blocks hold <= 64 columns: here the block's R rows) with a long M (the keys), and each
+// row's softmax runs down a column, 16 rows to an AVX-512 vector:
+//
+//   forward:   St = K Q^T    W^T = softmax down each column (x Z / rho)    O^T = V^T W'^T
+//   backward, over key chunks of 512 (keys outer, as FlashAttention-2's), for each row block:
+//              St = K_c Q^T    dP^T = V_c dO^T    dS = W' dP - P D,  D = dO . O
+//              dV_c += W'^T dO    dK_c += s dS^T Q    dQ^T += s K_c^T dS^T
+//
+// W' is W rounded to bfloat16, as the products take it; O is the forward's float32 output
+// (carried with the row stats when the forward is for a backward), so D = sum_j W' dP and each
+// row of dS sums to 0. brgemm: C (M x N, float32) = A (M x K, bfloat16, row-major) B (K x N,
+// bfloat16 "packed": column blocks of kCols, each (K/2, kCols, 2), row pairs interleaved).
+// Scores, dP and every sum are float32; a chunk's dK, dV sums stay in L2 while the row blocks
+// pass over them.
+namespace cb = at::native::cpublas;
+using bf16 = at::BFloat16;
+constexpr int64_t kCols = 64;  // a packed block's columns (oneDNN takes 16, 32, 48 or 64)
+
+bool brgemm_available() { return cb::could_pack(at::kBFloat16); }
+
+inline int64_t even(int64_t x) { return x + (x & 1); }
+
+// A packed B: K rows (padded to even with 0), N columns in blocks of kCols.
+struct Packed {
+  bf16* data;
+  int64_t K, N;
+  int64_t block() const { return kCols * even(K); }  // elements per column block
+  static size_t bytes(int64_t K, int64_t N) {
+    return static_cast<size_t>((N + kCols - 1) / kCols * kCols * even(K)) * sizeof(bf16);
+  }
+};
+
+// B = X, X's K rows of N (leading dimension ld), packed into out (Packed::bytes(K, N)); a
+// missing last row (K odd) and the last block's columns past N are 0.
+Packed pack_rows(const bf16* x, int64_t K, int64_t N, int64_t ld, void* out) {
+  Packed b{static_cast<bf16*>(out), K, N};
+  const uint16_t* x16 = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t c0 = 0; c0 < N; c0 += kCols) {
+    const int64_t nc = std::min(kCols, N - c0);
+    uint32_t* blk = reinterpret_cast<uint32_t*>(b.data + c0 / kCols * b.block());
+    for (int64_t k = 0; k < K; k += 2) {
+      const uint16_t* lo = x16 + k * ld + c0;
+      uint32_t* o = blk + k / 2 * kCols;
+      if (k + 1 < K) {
+        const uint16_t* hi = lo + ld;
+        for (int64_t c = 0; c < nc; ++c) o[c] = uint32_t(lo[c]) | (uint32_t(hi[c]) << 16);
+      } else {
+        for (int64_t c = 0; c < nc; ++c) o[c] = lo[c];
+      }
+      std::fill(o + nc, o + kCols, 0u);
+    }
+  }
+  return b;
+}
+
+// pack_rows of X from float32 rows, column c times col_scale[c] (rounded to bfloat16 as
+// store_bf16 rounds).
+Packed pack_rows(const float* x, int64_t K, int64_t N, int64_t ld, void* out,
+                 const float* col_scale) {
+  Packed b{static_cast<bf16*>(out), K, N};
+#if defined(__AVX512BF16__)
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);  // (a0 b0 a1 b1 ... from a0..a15 b0..b15)
+#endif
+  for (int64_t c0 = 0; c0 < N; c0 += kCols) {
+    const int64_t nc = std::min(kCols, N - c0);
+    bf16* blk = b.data + c0 / kCols * b.block();
+    for (int64_t k = 0; k < K; k += 2) {
+      const float* lo = x + k * ld + c0;
+      const float* hi = k + 1 < K ? lo + ld : nullptr;
+      bf16* o = blk + k / 2 * 2 * kCols;
+      int64_t c = 0;
+#if defined(__AVX512BF16__)
+      if (hi != nullptr) {
+        for (; c + 16 <= nc; c += 16) {
+          const __m512 s = _mm512_loadu_ps(col_scale + c0 + c);
+          const __m512bh ab = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(hi + c), s),
+                                                  _mm512_mul_ps(_mm512_loadu_ps(lo + c), s));
+          _mm512_storeu_si512(o + 2 * c, _mm512_permutexvar_epi16(
+                                             pairs, reinterpret_cast<const __m512i&>(ab)));
+        }
+      }
+#endif
+      for (; c < nc; ++c) {
+        const float s = col_scale[c0 + c];
+        o[2 * c] = static_cast<bf16>(lo[c] * s);
+        o[2 * c + 1] = hi != nullptr ? static_cast<bf16>(hi[c] * s) : bf16(0.f);
+      }
+      std::fill(o + 2 * nc, o + 2 * kCols, bf16(0.f));
+    }
+  }
+  return b;
+}
+
+// B = X^T from X's N rows of K (K even, leading dimension ld): row pairs of B are column pairs
+// of X, so each 32-bit word of B is one of X's, and B a transpose of X's words.
+void transpose(const float* x, int64_t R, int64_t X, int64_t ld, float* out, int64_t ld_out);
+Packed pack_transposed(const bf16* x, int64_t N, int64_t K, int64_t ld, void* out) {
+  Packed b{static_cast<bf16*>(out), K, N};
+  const bool words = reinterpret_cast<uintptr_t>(x) % 4 == 0 && ld % 2 == 0;
+  for (int64_t c0 = 0; c0 < N; c0 += kCols) {
+    const int64_t nc = std::min(kCols, N - c0);
+    uint32_t* blk = reinterpret_cast<uint32_t*>(b.data + c0 / kCols * b.block());
+    if (words) {  // (bit patterns moved as floats: a permutation changes no bits)
+      transpose(reinterpret_cast<const float*>(x + c0 * ld), nc, K / 2, ld / 2,
+                reinterpret_cast<float*>(blk), kCols);
+    } else {
+      for (int64_t c = 0; c < nc; ++c) {
+        const bf16* row = x + (c0 + c) * ld;
+        for (int64_t k = 0; k < K; k += 2) {
+          uint32_t word;
+          std::memcpy(&word, row + k, sizeof(word));
+          blk[k / 2 * kCols + c] = word;
+        }
+      }
+    }
+    for (int64_t k = 0; k < K; k += 2)
+      std::fill(blk + k / 2 * kCols + nc, blk + (k / 2 + 1) * kCols, 0u);
+  }
+  return b;
+}
+
+// out (X x R, leading dimension ld_out) = x^T, x's R rows of X (leading dimension ld); in
+// tiles of 16 x 16, so that reads and writes stay in a few cache lines.
+template <typename T>
+void transpose(const T* x, int64_t R, int64_t X, int64_t ld, T* out, int64_t ld_out) {
+  constexpr int64_t kTile = 16;
+  for (int64_t r0 = 0; r0 < R; r0 += kTile) {
+    const int64_t r1 = std::min(R, r0 + kTile);
+    for (int64_t c0 = 0; c0 < X; c0 += kTile) {
+      const int64_t c1 = std::min(X, c0 + kTile);
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t r = r0; r < r1; ++r) out[c * ld_out + r] = x[r * ld + c];
+    }
+  }
+}
+
+// The lanes of transpose16's exchange at block size b: row i takes its own block then its
+// partner's (lo), row i + b its partner's then its own (hi); lanes 16.. are the partner row's.
+struct Exchange {
+  alignas(64) int32_t lo[4][16], hi[4][16];
+  Exchange() {
+    for (int s = 0, b = 8; s < 4; ++s, b /= 2)
+      for (int j = 0; j < 16; ++j) {
+        lo[s][j] = (j & b) ? 16 + j - b : j;
+        hi[s][j] = (j & b) ? 16 + j : j + b;
+      }
+  }
+};
+const Exchange kExchange;
+
+// y (16 x 16, leading dimension ldy) = x^T (x: 16 x 16, ldx) in registers: four exchanges of
+// the off-diagonal blocks, 8 x 8 down to 1 x 1 ([[A, B], [C, D]] -> [[A, C], [B, D]]).
+inline void transpose16(const float* x, int64_t ldx, float* y, int64_t ldy) {
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(x + i * ldx);
+  for (int s = 0, b = 8; s < 4; ++s, b /= 2) {
+    const __m512i lo = _mm512_load_si512(kExchange.lo[s]), hi = _mm512_load_si512(kExchange.hi[s]);
+    for (int i = 0; i < 16; ++i) {
+      if (i & b) continue;
+      const __m512 a = r[i], c = r[i + b];
+      r[i] = _mm512_permutex2var_ps(a, lo, c);
+      r[i + b] = _mm512_permutex2var_ps(a, hi, c);
+    }
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(y + i * ldy, r[i]);
+}
+
+// transpose for float32: whole 16 x 16 tiles in registers, the edges as above.
+void transpose(const float* x, int64_t R, int64_t X, int64_t ld, float* out, int64_t ld_out) {
+  const int64_t R16 = R / 16 * 16, X16 = X / 16 * 16;
+  for (int64_t r0 = 0; r0 < R16; r0 += 16)
+    for (int64_t c0 = 0; c0 < X16; c0 += 16)
+      transpose16(x + r0 * ld + c0, ld, out + c0 * ld_out + r0, ld_out);
+  if (X16 < X) transpose<float>(x + X16, R, X - X16, ld, out + X16 * ld_out, ld_out);
+  if (R16 < R) transpose<float>(x + R16 * ld, R - R16, X16, ld, out + R16, ld_out);
+}
+
+// out (X x even(R), leading dimension ld_out, even) = x^T for bfloat16 (x: R rows of X,
+// leading dimension ld; a zero last column when R is odd): x's rows taken in pairs as 32-bit
+// words (words: (R+1)/2 x X), whose transpose sets each pair side by side in out's rows.
+void transpose_pairs(const bf16* x, int64_t R, int64_t X, int64_t ld, bf16* out,
+                     int64_t ld_out, uint32_t* words) {
+  const uint16_t* x16 = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t j = 0; 2 * j < R; ++j) {
+    const uint16_t* lo = x16 + 2 * j * ld;
+    uint32_t* w = words + j * X;
+    if (2 * j + 1 < R) {
+      const uint16_t* hi = lo + ld;
+      for (int64_t e = 0; e < X; ++e) w[e] = uint32_t(lo[e]) | (uint32_t(hi[e]) << 16);
+    } else {
+      for (int64_t e = 0; e < X; ++e) w[e] = lo[e];
+    }
+  }
+  transpose(reinterpret_cast<const float*>(words), (R + 1) / 2, X, X,
+            reinterpret_cast<float*>(out), ld_out / 2);
+}
+
+// C (M x N, leading dimension ldc) = A B, or += with add: A's first even(K) columns (lda) by
+// B's first even(K) rows and first N columns.
+void gemm(int64_t M, int64_t N, int64_t K, const bf16* A, int64_t lda, const Packed& B, float* C,
+          int64_t ldc, bool add) {
+  for (int64_t c0 = 0; c0 < N; c0 += kCols)
+    cb::brgemm(M, std::min(kCols, N - c0), even(K), lda, kCols, ldc, add, A,
+               B.data + c0 / kCols * B.block(), C + c0, /*is_vnni=*/true);
+}
+
+// While alive, column K of A (M rows, leading dimension lda; K odd) reads 0: a product over
+// A's first K columns reads K + 1 (B's rows come in pairs), and column K is a key the block
+// cannot see (one that may hold inf: 0 * inf would be NaN).
+struct HiddenColumn {
+  bf16* A;
+  int64_t M, lda, K;
+  std::vector<bf16> kept;
+  HiddenColumn(bf16* a, int64_t m, int64_t ld, int64_t k, int64_t width)
+      : A(a), M(m), lda(ld), K(k) {
+    if (K % 2 == 0 || K >= width) return;  // (K = width: the pad column, 0 already)
+    kept.resize(M);
+    for (int64_t r = 0; r < M; ++r) {
+      kept[r] = A[r * lda + K];
+      A[r * lda + K] = bf16(0.f);
+    }
+  }
+  ~HiddenColumn() {
+    for (int64_t r = 0; r < static_cast<int64_t>(kept.size()); ++r) A[r * lda + K] = kept[r];
+  }
+};
+
+// A block's columns: St (N x Rs, Rs = R rounded up to 16: whole vectors; the lanes past R are
+// carried along and never read out) for rows r0:r0+R of head g of group gi.
+struct Block {
+  int64_t N, R, Rs, gi, g, r0, row0;  // row0: the block's first row in (B, H, L)
+  int64_t k0 = 0;  // the block's first key: its columns are keys k0:k0+N
+  int nv() const { return static_cast<int>(Rs / 16); }
+};
+
+// The block's raw products St in place: -inf where masked (bool) or past the causal limit;
+// with a float mask (or a scale <= 0), scaled and biased: t = s St + bias. Returns the unit
+// that takes them to base-2 exponents: log2(e) s, or log2(e) when scaled here.
+float scores_cols(const Params& p, float* st, const Block& b) {
+  const int64_t N = b.N, R = b.R, Rs = b.Rs;
+  const bool scaled = p.mask_kind == 2 || !(p.scale > 0.f);
+  if (scaled)
+    for (int64_t x = 0; x < N * Rs; ++x) st[x] *= p.scale;
+  if (p.mask_kind != 0) {
+    const int64_t base = (b.gi / p.Hkv) * p.ms[0] + (b.gi % p.Hkv) * p.ms[1] + b.g * p.ms[2] +
+                         b.r0 * p.ms[3];
+    const int64_t down = p.ms[3], across = p.ms[4];
+    for (int64_t c = 0; c < N; ++c) {
+      float* row = st + c * Rs;
+      if (p.mask_kind == 1) {
+        const uint8_t* m = static_cast<const uint8_t*>(p.mask) + base + (b.k0 + c) * across;
+        for (int64_t i = 0; i < R; ++i) row[i] = m[i * down] ? -kInf : row[i];
+      } else {
+        const float* m = static_cast<const float*>(p.mask) + base + (b.k0 + c) * across;
+        for (int64_t i = 0; i < R; ++i) row[i] += m[i * down];
+      }
+    }
+  }
+  if (p.causal) {  // row i sees key k0 + c iff k0 + c <= r0 + i + offset
+    const int64_t lag = b.k0 - b.r0 - p.offset;  // (row i sees column c iff i >= c + lag)
+    for (int64_t c = std::max<int64_t>(0, 1 - lag); c < N; ++c)
+      std::fill(st + c * Rs, st + c * Rs + std::min<int64_t>(R, c + lag), -kInf);
+  }
+  return scaled ? kLog2e : p.scale * kLog2e;
+}
+
+// w = x (N x Rs), column i times row row0+i's keep mask (1 / rho or 0): the same draws as
+// keep_row's, word w of a row's stream giving its columns w*per_word... (x may be w.)
+void drop_cols(const Params& p, const float* x, float* w, const Block& b, uint64_t* keys) {
+  const int64_t N = b.N, R = b.R, Rs = b.Rs;
+  const int per_word = 64 / p.width, width = p.width;
+  const uint64_t lane = p.width == 16 ? 0xffffULL : 0xffffffffULL;
+  uint64_t* bits = keys + Rs;  // (keys: 2 Rs words)
+  for (int64_t i = 0; i < R; ++i)
+    keys[i] = mix64(p.seed ^ mix64(static_cast<uint64_t>(b.row0 + i) + 1));
+  const float inv_keep = p.inv_keep;
+  const uint64_t dropped = p.dropped;
+  TORCH_CHECK(b.k0 % per_word == 0, "attnlab cpu_flash: key chunks start on a word");
+  for (int64_t c0 = 0, word = 1 + b.k0 / per_word; c0 < N; c0 += per_word, ++word) {
+    const uint64_t step = static_cast<uint64_t>(word) * 0x9e3779b97f4a7c15ULL;
+#pragma omp simd
+    for (int64_t i = 0; i < R; ++i) bits[i] = mix64(keys[i] + step);  // (8 rows to a vector)
+    const int64_t nc = std::min<int64_t>(per_word, N - c0);
+    for (int64_t t = 0; t < nc; ++t) {
+      const float* in = x + (c0 + t) * Rs;
+      float* row = w + (c0 + t) * Rs;
+#pragma omp simd
+      for (int64_t i = 0; i < R; ++i)
+        row[i] = in[i] * (((bits[i] >> (width * t)) & lane) >= dropped ? inv_keep : 0.f);
+      std::fill(row + R, row + Rs, 0.f);
+    }
+  }
+}
+
+// exp2_nonpositive on 16 lanes, for bfloat16 products: 2^x for x <= 0 (-inf gives 0, NaN
+// stays NaN, under 2^-126 0), 2^f on |f| <= 1/2 from a degree-5 polynomial fitted for relative
+// error (2.3e-7: under float32's rounding of the products that feed it, 2^-9 of bfloat16's).
+inline __m512 exp2_nonpositive(__m512 x) {
+  const __m512 low = _mm512_set1_ps(-126.f);
+  const __m512 xc = _mm512_max_ps(low, x);  // (NaN stays: max_ps returns its second operand)
+  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(xc, n);
+  __m512 q = _mm512_set1_ps(1.3266970386325856e-03f);
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(9.6754597455176700e-03f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(5.5507426160025500e-02f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(2.4022121753561645e-01f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(6.9314694916106310e-01f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0000000710296983f));
+  const __m512 r = _mm512_scalef_ps(q, n);  // q 2^n
+  return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ), _mm512_setzero_ps());
+}
+
+// 16 floats to bfloat16 (to nearest even), the lanes past `valid` 0.
+inline __m256i to_bf16(__m512 x, __mmask16 valid) {
+  const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(valid, x));
+  return reinterpret_cast<const __m256i&>(h);
+}
+
+// x rounded to bfloat16 (to nearest even), as float32.
+inline __m512 round_bf16(__m512 x) {
+  const __m256bh h = _mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
+}
+
+inline __mmask16 lanes(int64_t R, int v) {  // lanes of vector v below R
+  const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, R - 16 * v));
+  return static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// Forward: each column's softmax (exponentials in place of the scores), the rows' stats, and
+// P^T Z / rho packed for brgemm (key pairs interleaved) into out.
+template <int NV>
+void softmax_cols(const Params& p, float* st, const Block& b, float unit, float* stats,
+                  uint64_t* keys, void* out) {
+  const int64_t N = b.N, Rs = 16 * NV;
+  __m512 m[NV], total[NV];
+  for (int v = 0; v < NV; ++v) m[v] = _mm512_set1_ps(-kInf);
+  for (int64_t c = 0; c < N; ++c)
+    for (int v = 0; v < NV; ++v) m[v] = _mm512_max_ps(_mm512_loadu_ps(st + c * Rs + 16 * v), m[v]);
+  __m512 shift[NV];  // (a dead row's -inf scores less 0: weights 0)
+  for (int v = 0; v < NV; ++v) {
+    shift[v] = _mm512_mask_mov_ps(m[v], _mm512_cmp_ps_mask(m[v], _mm512_set1_ps(-kInf), _CMP_EQ_OQ),
+                                  _mm512_setzero_ps());
+    total[v] = _mm512_setzero_ps();
+  }
+  const __m512 u = _mm512_set1_ps(unit);
+  for (int64_t c = 0; c < N; ++c) {
+    for (int v = 0; v < NV; ++v) {
+      float* t = st + c * Rs + 16 * v;
+      const __m512 e = exp2_nonpositive(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(t), shift[v]), u));
+      _mm512_storeu_ps(t, e);
+      total[v] = _mm512_add_ps(total[v], e);
+    }
+  }
+  alignas(64) float mf[64], tf[64], norm[64];
+  for (int v = 0; v < NV; ++v) {
+    _mm512_store_ps(mf + 16 * v, m[v]);
+    _mm512_store_ps(tf + 16 * v, total[v]);
+  }
+  const float to_natural = unit / kLog2e;  // (the scale where the scores were not scaled)
+  for (int64_t i = 0; i < b.R; ++i) {
+    float* s2 = stats + (b.row0 + i) * p.sw;
+    if (mf[i] == -kInf) {  // no visible key: dead (+inf, 0), or a NaN row
+      s2[0] = tf[i] != tf[i] ? kNaN : kInf;
+      s2[1] = 0.f;
+    } else {
+      s2[0] = mf[i] * to_natural;
+      s2[1] = std::log(tf[i]);
+    }
+    norm[i] = tf[i] == 0.f ? 0.f : 1.f / tf[i];  // (NaN stays NaN)
+  }
+  if (p.dropout) drop_cols(p, st, st, b, keys);
+  pack_rows(st, N, b.R, Rs, out, norm);
+}
+
+// Backward, first pass: P (in place of St) and W = P Z / rho (in w, or P itself), and W^T in
+// 16 bits (wb, N x Rs, 0 past R).
+template <int NV>
+void probabilities_cols(const Params& p, float* st, float* w, const Block& b, float unit,
+                        const float* stats, uint64_t* keys, bf16* wb) {
+  const int64_t N = b.N, Rs = 16 * NV;
+  alignas(64) float shift[64], inv_total[64];
+  for (int64_t i = 0; i < Rs; ++i) {  // (a dead row: +inf, weights 0; a NaN row: NaN)
+    const bool row = i < b.R;
+    shift[i] = row ? stats[(b.row0 + i) * p.sw] : kInf;
+    inv_total[i] = row ? std::exp(-stats[(b.row0 + i) * p.sw + 1]) : 0.f;
+  }
+  const __m512 sf = _mm512_set1_ps(unit / kLog2e), l2e = _mm512_set1_ps(kLog2e);
+  __m512 sh[NV], it[NV];
+  for (int v = 0; v < NV; ++v) {
+    sh[v] = _mm512_load_ps(shift + 16 * v);
+    it[v] = _mm512_load_ps(inv_total + 16 * v);
+  }
+  auto store_w = [&](int64_t x, int v, __m512 wv) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + x), to_bf16(wv, lanes(b.R, v)));
+  };
+  for (int64_t c = 0; c < N; ++c) {  // P = 2^(log2(e) (t - m)) / l
+    for (int v = 0; v < NV; ++v) {
+      const int64_t x = c * Rs + 16 * v;
+      const __m512 y = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_loadu_ps(st + x), sf, sh[v]), l2e);
+      const __m512 pr = _mm512_mul_ps(exp2_nonpositive(y), it[v]);
+      _mm512_storeu_ps(st + x, pr);
+      if (!p.dropout) store_w(x, v, pr);  // (W = P)
+    }
+  }
+  if (p.dropout) {
+    drop_cols(p, st, w, b, keys);
+    for (int64_t c = 0; c < N; ++c)
+      for (int v = 0; v < NV; ++v) store_w(c * Rs + 16 * v, v, _mm512_loadu_ps(w + c * Rs + 16 * v));
+  }
+}
+
+// Backward, second pass: s dS = s (W' dP - P D) (0 where P is, and past R), W' = W rounded
+// to bfloat16 as the forward's product took it and D = dO . O = sum_j W' dP of the block's
+// rows (so that each row of dS sums to 0, as the readable formula's in bfloat16), in 16 bits:
+// as rows (dsb, N x Rs) and packed for brgemm (ds_p: key pairs interleaved, kCols columns).
+template <int NV>
+void score_grads_cols(const Params& p, const float* st, const float* w, const float* dpt,
+                      const Block& b, const float* d_in, bf16* dsb, bf16* ds_p) {
+  const int64_t N = b.N, Rs = 16 * NV;
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 d[NV];
+  for (int v = 0; v < NV; ++v) d[v] = _mm512_loadu_ps(d_in + 16 * v);
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);  // (a0 b0 a1 b1 ... from a0..a15 b0..b15)
+  for (int64_t c = 0; c < N; c += 2) {  // s dS for keys c, c+1: row-major and packed (pairs)
+    __m512 ds[2][NV];
+    for (int h = 0; h < 2; ++h) {
+      for (int v = 0; v < NV; ++v) {
+        if (c + h >= N) {
+          ds[h][v] = zero;
+          continue;
+        }
+        const int64_t x = (c + h) * Rs + 16 * v;
+        const __m512 pr = _mm512_loadu_ps(st + x), wv = round_bf16(_mm512_loadu_ps(w + x));
+        const __mmask16 live = _mm512_cmp_ps_mask(pr, zero, _CMP_NEQ_UQ) & lanes(b.R, v);
+        const __m512 g = _mm512_fmsub_ps(wv, _mm512_loadu_ps(dpt + x), _mm512_mul_ps(pr, d[v]));
+        ds[h][v] = _mm512_maskz_mul_ps(live, g, scale);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsb + x), to_bf16(ds[h][v], 0xffff));
+      }
+    }
+    bf16* o = ds_p + c / 2 * 2 * kCols;
+    for (int v = 0; v < kCols / 16; ++v) {
+      if (v < NV) {
+        const __m512bh ab = _mm512_cvtne2ps_pbh(ds[1][v], ds[0][v]);
+        _mm512_storeu_si512(o + 32 * v, _mm512_permutexvar_epi16(pairs, reinterpret_cast<const __m512i&>(ab)));
+      } else {
+        _mm512_storeu_si512(o + 32 * v, _mm512_setzero_si512());
+      }
+    }
+  }
+}
+
+// f.template operator()<NV>() for the block's vectors per key (1 to 4).
+template <typename F>
+void for_vectors(int nv, F f) {
+  switch (nv) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// Rows r0:r0+R of every head of group gi (batch row, kv head), r0 = first, first + stride, ...
+// blocks of p.rows (<= 64): V^T made once for all of them.
+void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, const Tensor& v3,
+                          Tensor& out3, float* stats, int64_t gi, int64_t first, int64_t stride,
+                          Scratch& sc) {
+  const int64_t G = p.G, L = p.L, S = p.S, E = p.E, Ev = p.Ev, ld = even(S), rows = p.rows;
+  const int64_t rows_s = (rows + 15) / 16 * 16;
+  const bf16* q = q3.data_ptr<bf16>() + gi * q3.stride(0);
+  const bf16* k = k3.data_ptr<bf16>() + gi * k3.stride(0);
+  const bf16* v = v3.data_ptr<bf16>() + gi * v3.stride(0);
+  bf16* out = out3.data_ptr<bf16>() + gi * out3.stride(0);
+  const int64_t ldq = q3.stride(1), ldk = k3.stride(1), ldv = v3.stride(1);
+  bf16* vt = static_cast<bf16*>(sc.kvt.get(Ev * ld * sizeof(bf16)));  // V^T (Ev x S)
+  transpose_pairs(v, S, Ev, ldv, vt, ld, static_cast<uint32_t*>(sc.dp.get(ld / 2 * Ev * 4)));
+  float* st = static_cast<float*>(sc.s.get(ld * rows_s * sizeof(float)));
+  void* qt_p = sc.qt_p.get(Packed::bytes(E, rows));
+  void* pt_p = sc.pt_p.get(Packed::bytes(ld, rows));
+  const bool exact = p.sw > 2;  // (for a backward: each row's float32 output in stats)
+  float* ot = static_cast<float*>(sc.o.get(Ev * rows * sizeof(float)));
+  float* o = static_cast<float*>(sc.pf.get(rows * Ev * sizeof(float)));
+  uint64_t* keys = static_cast<uint64_t*>(sc.t.get(2 * rows_s * sizeof(uint64_t)));
+  for (int64_t r0 = first * rows; r0 < L; r0 += stride * rows) {
+    const int64_t R = std::min(L, r0 + rows) - r0, N = block_keys(p, r0 + R);
+    for (int64_t g = 0; g < G; ++g) {
+      bf16* orows = out + (g * L + r0) * Ev;
+      if (N <= 0) {  // every row before the first key: dead, stats (+inf, 0), output 0
+        std::fill(orows, orows + R * Ev, bf16(0.f));
+        for (int64_t i = 0; i < R; ++i) {
+          float* s2 = stats + ((gi * G + g) * L + r0 + i) * p.sw;
+          std::fill(s2, s2 + p.sw, 0.f);
+          s2[0] = kInf;
+        }
+        continue;
+      }
+      const Block b{N, R, (R + 15) / 16 * 16, gi, g, r0, (gi * G + g) * L + r0};
+      const Packed qt = pack_transposed(q + (g * L + r0) * ldq, R, E, ldq, qt_p);
+      gemm(N, R, E, k, ldk, qt, st, b.Rs, false);  // St = K Q^T
+      if (R < b.Rs)  // (the lanes past R: numbers, never read out)
+        for (int64_t c = 0; c < N; ++c) std::fill(st + c * b.Rs + R, st + (c + 1) * b.Rs, 0.f);
+      const float unit = scores_cols(p, st, b);
+      for_vectors(b.nv(), [&](auto nv) {
+        softmax_cols<decltype(nv)::value>(p, st, b, unit, stats, keys, pt_p);
+      });
+      const Packed pt{static_cast<bf16*>(pt_p), N, R};  // P^T Z / rho, in bfloat16
+      {
+        HiddenColumn hidden(vt, Ev, ld, N, S);
+        gemm(Ev, R, N, vt, ld, pt, ot, R, false);  // O^T = V^T P^T
+      }
+      transpose(ot, Ev, R, R, o, Ev);
+      store_bf16(o, orows, R * Ev);
+      if (exact)
+        for (int64_t i = 0; i < R; ++i)
+          std::copy(o + i * Ev, o + (i + 1) * Ev, stats + (b.row0 + i) * p.sw + 2);
+    }
+  }
+}
+
+// Keys per chunk of the backward: a chunk's dK, dV sums (float32) and its rows' St, dP^T stay
+// in L2 while every query row block passes over them (keys outer, as FlashAttention-2's
+// backward): no pass over all of dK, dV per row block.
+constexpr int64_t kKeyChunk = 512;
+
+// The backward of group gi (batch row, kv head) over key chunks first, first + stride, ...:
+// dK, dV of those keys (bfloat16, into dk16, dv16: the chunks are this task's alone), and the
+// chunks' part of dQ into dq_out (bfloat16 where the task holds every chunk, else this task's
+// float32 (G*L, E), summed by the caller). D = dO . O for every row, O
+// the forward's float32 output (in stats; from its bfloat16 output D would be 2^-9 off the
+// dS it goes with, and dK with it, 5x the readable formula's error in a test).
+void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
+                           const Tensor& k3, const Tensor& v3,
+                           const float* stats, Tensor& dq_out, Tensor& dk16, Tensor& dv16,
+                           int64_t gi, int64_t first, int64_t stride, Scratch& sc) {
+  const int64_t G = p.G, L = p.L, S = p.S, E = p.E, Ev = p.Ev, rows = p.rows;
+  const int64_t rows_s = (rows + 15) / 16 * 16, blocks = (L + rows - 1) / rows;
+  const bf16* q = q3.data_ptr<bf16>() + gi * q3.stride(0);
+  const bf16* dout = do3.data_ptr<bf16>() + gi * do3.stride(0);
+  const bf16* k = k3.data_ptr<bf16>() + gi * k3.stride(0);
+  const bf16* v = v3.data_ptr<bf16>() + gi * v3.stride(0);
+  const int64_t ldq = q3.stride(1), lddo = do3.stride(1);
+  const int64_t ldk = k3.stride(1), ldv = v3.stride(1);
+  const bool dq_whole = dq_out.scalar_type() == at::kBFloat16;  // (else this part's, float32)
+  bf16* dk_out = dk16.data_ptr<bf16>() + gi * dk16.stride(0);
+  bf16* dv_out = dv16.data_ptr<bf16>() + gi * dv16.stride(0);
+  const int64_t chunk = std::min(kKeyChunk, S), ldc = even(chunk);
+  const size_t cells = ldc * rows_s;
+  float* st = static_cast<float*>(sc.s.get(cells * sizeof(float)));   // St, then P^T
+  float* dpt = static_cast<float*>(sc.dp.get(cells * sizeof(float)));  // dP^T
+  float* wt = p.dropout ? static_cast<float*>(sc.w.get(cells * sizeof(float))) : st;
+  bf16* wb = static_cast<bf16*>(sc.pm.get(cells * sizeof(bf16)));  // W^T, then s dS^T: 16 bits
+  bf16* kt = static_cast<bf16*>(sc.kvt.get(E * ldc * sizeof(bf16)));  // K^T of the chunk
+  float* dk = static_cast<float*>(sc.q.get(chunk * E * sizeof(float)));  // the chunk's sums
+  float* dv = static_cast<float*>(sc.keep.get(chunk * Ev * sizeof(float)));
+  // dQ^T of every (head, row block), E x Rs each, summed over the chunks
+  float* dqt = static_cast<float*>(sc.o.get(G * blocks * E * rows_s * sizeof(float)));
+  float* d = static_cast<float*>(sc.words.get((G * L + 64) * sizeof(float)));  // D per row
+  // each (head, row block)'s Q and dO packed once, for every chunk: as B of St and dP^T
+  // (Q^T, dO^T) and of dK and dV (Q, dO)
+  const size_t qt_n = Packed::bytes(E, rows) / sizeof(bf16), dot_n = Packed::bytes(Ev, rows) / sizeof(bf16);
+  const size_t q_n = Packed::bytes(rows, E) / sizeof(bf16), do_n = Packed::bytes(rows, Ev) / sizeof(bf16);
+  const size_t per_block = qt_n + dot_n + q_n + do_n;
+  bf16* packs = static_cast<bf16*>(sc.qt_p.get(G * blocks * per_block * sizeof(bf16)));
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t r0 = blk * rows, R = std::min(L, r0 + rows) - r0;
+      bf16* at = packs + (g * blocks + blk) * per_block;
+      const bf16* qb = q + (g * L + r0) * ldq;
+      const bf16* dob = dout + (g * L + r0) * lddo;
+      pack_transposed(qb, R, E, ldq, at);
+      pack_transposed(dob, R, Ev, lddo, at + qt_n);
+      pack_rows(qb, R, E, ldq, at + qt_n + dot_n);
+      pack_rows(dob, R, Ev, lddo, at + qt_n + dot_n + q_n);
+    }
+  bf16* ds_p = static_cast<bf16*>(sc.pt_p.get(Packed::bytes(ldc, kCols)));
+  uint64_t* keys = static_cast<uint64_t*>(sc.t.get(2 * rows_s * sizeof(uint64_t)));
+  uint32_t* pair_words = static_cast<uint32_t*>(sc.dsm.get(ldc / 2 * E * sizeof(uint32_t)));
+  for (int64_t r = 0; r < G * L; ++r) {  // D = dO . O (O from the forward's float32 weights)
+    const bf16* a = dout + r * lddo;
+    const float* b = stats + ((gi * G) * L + r) * p.sw + 2;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t e = 0; e < Ev; ++e) sum += static_cast<float>(a[e]) * b[e];
+    d[r] = sum;
+  }
+  std::fill(dqt, dqt + G * blocks * E * rows_s, 0.f);
+  for (int64_t k0 = first * chunk; k0 < S; k0 += stride * chunk) {
+    const int64_t nk = std::min(S, k0 + chunk) - k0;
+    transpose_pairs(k + k0 * ldk, nk, E, ldk, kt, ldc, pair_words);
+    std::fill(dk, dk + nk * E, 0.f);
+    std::fill(dv, dv + nk * Ev, 0.f);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t r0 = blk * rows, R = std::min(L, r0 + rows) - r0;
+      const int64_t N = std::min(block_keys(p, r0 + R), k0 + nk) - k0;  // visible keys here
+      if (N <= 0) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        Block b{N, R, (R + 15) / 16 * 16, gi, g, r0, (gi * G + g) * L + r0};
+        b.k0 = k0;
+        bf16* at = packs + (g * blocks + blk) * per_block;
+        const Packed qt{at, E, R}, dot{at + qt_n, Ev, R};
+        const Packed qr{at + qt_n + dot_n, R, E}, dor{at + qt_n + dot_n + q_n, R, Ev};
+        gemm(N, R, E, k + k0 * ldk, ldk, qt, st, b.Rs, false);     // St = K Q^T
+        gemm(N, R, Ev, v + k0 * ldv, ldv, dot, dpt, b.Rs, false);  // dP^T = V dO^T
+        if (R < b.Rs) {  // (the lanes past R: numbers, never read out)
+          for (int64_t c = 0; c < N; ++c) {
+            std::fill(st + c * b.Rs + R, st + (c + 1) * b.Rs, 0.f);
+            std::fill(dpt + c * b.Rs + R, dpt + (c + 1) * b.Rs, 0.f);
+          }
+        }
+        const float unit = scores_cols(p, st, b);
+        for_vectors(b.nv(), [&](auto nv) {
+          probabilities_cols<decltype(nv)::value>(p, st, wt, b, unit, stats, keys, wb);
+        });
+        gemm(N, Ev, R, wb, b.Rs, dor, dv, Ev, true);  // dV += W^T dO
+        for_vectors(b.nv(), [&](auto nv) {  // (s dS^T in W^T's place)
+          score_grads_cols<decltype(nv)::value>(p, st, wt, dpt, b, d + g * L + r0, wb, ds_p);
+        });
+        gemm(N, E, R, wb, b.Rs, qr, dk, E, true);  // dK += s dS^T Q
+        {
+          HiddenColumn hidden(kt, E, ldc, N, nk);
+          float* acc = dqt + (g * blocks + blk) * E * rows_s;
+          gemm(E, R, N, kt, ldc, Packed{ds_p, N, R}, acc, rows_s, true);  // dQ^T += K^T s dS^T
+        }
+      }
+    }
+    store_bf16(dk, dk_out + k0 * E, nk * E);
+    store_bf16(dv, dv_out + k0 * Ev, nk * Ev);
+  }
+  float* rows_f = static_cast<float*>(sc.pf.get(rows * E * sizeof(float)));
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t r0 = blk * rows, R = std::min(L, r0 + rows) - r0;
+      const float* acc = dqt + (g * blocks + blk) * E * rows_s;
+      const int64_t at = gi * dq_out.stride(0) + (g * L + r0) * E;
+      if (dq_whole) {
+        transpose(acc, E, R, rows_s, rows_f, E);
+        store_bf16(rows_f, dq_out.data_ptr<bf16>() + at, R * E);
+      } else {
+        transpose(acc, E, R, rows_s, dq_out.data_ptr<float>() + at, E);
+      }
+    }
+}
