@@ -351,3 +351,17 @@ def test_the_build_name_follows_every_source_file(monkeypatch, tmp_path):
     header.write_bytes(cpu_flash_native.HEADERS[0].read_bytes() + b"\n// changed\n")
     monkeypatch.setattr(cpu_flash_native, "HEADERS", [header])
     assert cpu_flash_native._cpu_tag() != before
+
+
+@BRGEMM
+def test_a_brgemm_forward_then_an_at_bmm_backward(monkeypatch):
+    """Stats of a brgemm forward for a backward carry each row's output too; a backward that
+    takes the at::bmm blocks (brgemm switched off in between) reads (m, log l) of them."""
+    q, k, v = inputs(1, 2, 1, 40, 40, 16, 16, dtype=torch.bfloat16, grad=True)
+    out = flash_attention(q, k, v, None, "top_left", 0.25, 0.0)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+    monkeypatch.setattr(cpu_flash_native, "brgemm", lambda: False)
+    got = torch.autograd.grad(out, (q, k, v), up)
+    want = torch.autograd.grad(_eager(q, k, v, None, "top_left", 0.25, 0.0)[0], (q, k, v), up)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.02)
