@@ -119,7 +119,7 @@ struct Params {
   const void* mask;
   int64_t ms[5];
   // stats per row: (m, log l), then, from the brgemm path's forward for a backward, the row's
-  // output in float32 from float32 weights (D = dO . O of the backward)
+  // float32 output (D = dO . O of the backward); the at::bmm blocks read (m, log l) of either
   int64_t sw = 2;
 };
 
@@ -280,7 +280,7 @@ void weights_row(const Params& p, const in_t* srow, out_t* prow, int64_t N, int6
     bool nan = false;
     for (int64_t c = 0; c < n; ++c) nan |= t[c] != t[c];
     std::fill(prow, prow + width, static_cast<out_t>(nan ? kNaN : 0.f));
-    if (nan) stats[row * 2] = kNaN;  // (else they stay (+inf, 0): dead)
+    if (nan) stats[row * p.sw] = kNaN;  // (else they stay (+inf, 0): dead)
     return;
   }
   float total = 0.f;
@@ -299,8 +299,8 @@ void weights_row(const Params& p, const in_t* srow, out_t* prow, int64_t N, int6
   }
   store_row(t, prow, n);
   std::fill(prow + n, prow + width, static_cast<out_t>(0.f));
-  stats[row * 2] = m;
-  stats[row * 2 + 1] = std::log(total);
+  stats[row * p.sw] = m;
+  stats[row * p.sw + 1] = std::log(total);
 }
 
 // A block: query rows r0:r1 of the G heads of the nb groups (batch row, kv head) g0:g0+nb,
@@ -350,7 +350,7 @@ int64_t probabilities_row(const Params& p, const in_t* srow, float* prow, float*
                           int64_t width, int64_t gi, int64_t g, int64_t i, float* t, float* keep,
                           uint64_t* words, const float* stats) {
   const int64_t row = (gi * p.G + g) * p.L + i;
-  const float* st = stats + row * 2;
+  const float* st = stats + row * p.sw;
   if (!(st[0] < kInf)) {
     const float fill = st[0] != st[0] ? kNaN : 0.f;
     std::fill(prow, prow + width, fill);
@@ -596,9 +596,9 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
   Tensor k3 = k.reshape({groups, p.S, p.E}), v3 = v.reshape({groups, p.S, p.Ev});
   auto f32 = q5.options().dtype(at::kFloat);
   const float* st = stats.data_ptr<float>();
+  p.sw = stats.size(-1);  // (a brgemm forward for a backward: each row's output after (m, log l))
 #if defined(ATTNLAB_BRGEMM)
   if (take_brgemm(brgemm, p, q5, {&q3, &do3, &k3, &v3})) {
-    p.sw = stats.size(-1);
     TORCH_CHECK(p.sw == 2 + p.Ev, "attnlab cpu_flash: the brgemm backward takes the stats of "
                 "a forward for a backward (exact=True)");
     // tasks (group, part): with fewer groups than threads, a group's key chunks are dealt out

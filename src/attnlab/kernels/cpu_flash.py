@@ -556,8 +556,6 @@ def _backward(dout, q, k, v, out, stats, mask, alignment, scale, dropout_p, seed
     do = dout.to(plan.mm_dtype).reshape(B, Hkv, G, L, Ev)  # (B, H, L, Ev) -> 5-D
     native = plan.native() if native_ok else None
     if native is not None:
-        if stats.shape[-1] > 2 and not plan.brgemm():  # (the at::bmm blocks read (m, log l))
-            stats = stats[..., :2].contiguous()
         with torch.autocast("cpu", enabled=False):
             dq, dk, dv = native.backward(do, plan.q, plan.k, plan.v, stats, *plan.native_args())
         return dq.view(B, plan.H, L, E).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
