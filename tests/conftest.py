@@ -127,3 +127,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def make_mask(kind, B, H, L, S, seed=1):
+    """None, a bool mask (B, 1, L, S) with a dead row, or a float bias (1, H, L, S) with -inf."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "bool":
+        m = torch.rand(B, 1, L, S, generator=g) > 0.3
+        m[0, 0, L // 2] = False  # a row with no attendable key
+        return m
+    if kind == "float":
+        bias = torch.randn(1, H, L, S, generator=g, dtype=torch.float64)
+        return bias.masked_fill(torch.rand(1, H, L, S, generator=g) > 0.7, float("-inf"))
+    return None

@@ -20,7 +20,7 @@ from attnlab import reference
 from attnlab.functional.sdpa import _eager
 from attnlab.kernels import cpu_flash_native, describe, flash_attention, supports
 from attnlab.masks import causal_keep
-from conftest import np64
+from conftest import make_mask, np64
 
 F64 = torch.float64
 
@@ -56,19 +56,6 @@ def inputs(B, H, Hkv, L, S, E, Ev, dtype=torch.float32, seed=0, grad=False):
     k = torch.randn(B, Hkv, S, E, generator=g, dtype=F64)
     v = torch.randn(B, Hkv, S, Ev, generator=g, dtype=F64)
     return [t.to(dtype).requires_grad_(grad) for t in (q, k, v)]
-
-
-def make_mask(kind, B, H, L, S, seed=1):
-    """None, a bool mask (B, 1, L, S) with a dead row, or a float bias (1, H, L, S) with -inf."""
-    g = torch.Generator().manual_seed(seed)
-    if kind == "bool":
-        m = torch.rand(B, 1, L, S, generator=g) > 0.3
-        m[0, 0, L // 2] = False  # a row with no attendable key
-        return m
-    if kind == "float":
-        bias = torch.randn(1, H, L, S, generator=g, dtype=F64)
-        return bias.masked_fill(torch.rand(1, H, L, S, generator=g) > 0.7, float("-inf"))
-    return None
 
 
 def oracle(q, k, v, mask, alignment, scale):
