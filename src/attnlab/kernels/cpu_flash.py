@@ -201,12 +201,16 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, mask, alignment, scale, dropout_p, seed, native_ok, _ = inputs
         out, stats = output
         ctx.mark_non_differentiable(stats)
+        # (no zeros made for stats' gradient: 2 + Ev floats a row, 5 ms at (4, 8, 1024, 64))
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, stats, mask)
         ctx.args = (alignment, scale, dropout_p, seed, native_ok)  # (the same implementation)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, dstats):
+        if dout is None:  # (only stats reached the loss: it carries no gradient)
+            return (None,) * 10
         q, k, v, out, stats, mask = ctx.saved_tensors
         grads = _backward(dout, q, k, v, out, stats, mask, *ctx.args)
         return (*grads, None, None, None, None, None, None, None)
