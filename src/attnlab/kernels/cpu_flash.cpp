@@ -50,6 +50,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 
 namespace {
 
@@ -549,16 +550,13 @@ std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
   Tensor q3 = q5.reshape({groups, p.G * p.L, p.E});
   Tensor k3 = k.reshape({groups, p.S, p.E}), v3 = v.reshape({groups, p.S, p.Ev});
   Tensor out3 = at::empty({groups, p.G * p.L, p.Ev}, q5.options());
-  Tensor stats = at::zeros({p.B, p.Hkv, p.G, p.L, 2}, q5.options().dtype(at::kFloat));
-  stats.select(4, 0).fill_(kInf);
-  float* st = stats.data_ptr<float>();
 #if defined(ATTNLAB_BRGEMM)
   if (take_brgemm(brgemm, p, q5, {&q3, &k3, &v3})) {
     // (every row's stats written there); a forward for a backward: each row's float32
     // output goes with its stats
     p.sw = exact ? 2 + p.Ev : 2;
-    stats = at::empty({p.B, p.Hkv, p.G, p.L, p.sw}, q5.options().dtype(at::kFloat));
-    st = stats.data_ptr<float>();
+    Tensor stats = at::empty({p.B, p.Hkv, p.G, p.L, p.sw}, q5.options().dtype(at::kFloat));
+    float* st = stats.data_ptr<float>();
     const int64_t parts = parts_for(p, groups, threads);
     run_tasks(groups * parts, threads, [&](int64_t task, Scratch& sc) {
       forward_group_brgemm(p, q3, k3, v3, out3, st, task / parts, task % parts, parts, sc);
@@ -569,6 +567,10 @@ std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
 #else
   take_brgemm(brgemm, p, q5, {});
 #endif
+  // (+inf, 0): a dead row, as a block that sees no key leaves it
+  Tensor stats = at::zeros({p.B, p.Hkv, p.G, p.L, 2}, q5.options().dtype(at::kFloat));
+  stats.select(4, 0).fill_(kInf);
+  float* st = stats.data_ptr<float>();
   const int64_t nb = groups_per_block(p, per_block), chunks = (groups + nb - 1) / nb;
   const int64_t row_blocks = (p.L + p.rows - 1) / p.rows;
   const int64_t n = chunks * row_blocks;

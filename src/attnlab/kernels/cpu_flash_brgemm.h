@@ -8,7 +8,8 @@
 // row's softmax runs down a column, 16 rows to an AVX-512 vector:
 //
 //   forward:   St = K Q^T    W^T = softmax down each column (x Z / rho)    O^T = V^T W'^T
-//   backward, over key chunks of 512 (keys outer, as FlashAttention-2's), for each row block:
+//   backward, over key chunks of 512 (keys outer, as FlashAttention-2's), for each row block,
+//   one pass over its scores between the products:
 //              St = K_c Q^T    dP^T = V_c dO^T    dS = W' dP - P D,  D = dO . O
 //              dV_c += W'^T dO    dK_c += s dS^T Q    dQ^T += s K_c^T dS^T
 //
@@ -35,6 +36,32 @@ struct Packed {
     return static_cast<size_t>((N + kCols - 1) / kCols * kCols * even(K)) * sizeof(bf16);
   }
 };
+
+// 32 bfloat16 (a0..a15 b0..b15) as pairs (a0 b0 a1 b1 ...): two rows of a packed B.
+inline __m512i interleave(__m512i ab) {
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  return _mm512_permutexvar_epi16(order, ab);
+}
+
+// (a, b) rounded to bfloat16 (to nearest even) in one conversion: a in the low 16 lanes.
+inline __m512i bf16_pair(__m512 a, __m512 b) {
+  const __m512bh h = _mm512_cvtne2ps_pbh(b, a);
+  return reinterpret_cast<const __m512i&>(h);
+}
+
+// Half h of a bf16_pair as float32.
+inline __m512 widen_bf16(__m512i pair, int h) {
+  const __m256i half = h == 0 ? _mm512_castsi512_si256(pair) : _mm512_extracti64x4_epi64(pair, 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// A bf16_pair's halves to x and x + ld (the second only if `two`).
+inline void store_pair(__m512i pair, bf16* x, int64_t ld, bool two) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), _mm512_castsi512_si256(pair));
+  if (two) _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + ld), _mm512_extracti64x4_epi64(pair, 1));
+}
 
 // B = X, X's K rows of N (leading dimension ld), packed into out (Packed::bytes(K, N)); a
 // missing last row (K odd) and the last block's columns past N are 0.
@@ -64,11 +91,6 @@ Packed pack_rows(const bf16* x, int64_t K, int64_t N, int64_t ld, void* out) {
 Packed pack_rows(const float* x, int64_t K, int64_t N, int64_t ld, void* out,
                  const float* col_scale) {
   Packed b{static_cast<bf16*>(out), K, N};
-#if defined(__AVX512BF16__)
-  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                         16, 0);  // (a0 b0 a1 b1 ... from a0..a15 b0..b15)
-#endif
   for (int64_t c0 = 0; c0 < N; c0 += kCols) {
     const int64_t nc = std::min(kCols, N - c0);
     bf16* blk = b.data + c0 / kCols * b.block();
@@ -81,10 +103,8 @@ Packed pack_rows(const float* x, int64_t K, int64_t N, int64_t ld, void* out,
       if (hi != nullptr) {
         for (; c + 16 <= nc; c += 16) {
           const __m512 s = _mm512_loadu_ps(col_scale + c0 + c);
-          const __m512bh ab = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(hi + c), s),
-                                                  _mm512_mul_ps(_mm512_loadu_ps(lo + c), s));
-          _mm512_storeu_si512(o + 2 * c, _mm512_permutexvar_epi16(
-                                             pairs, reinterpret_cast<const __m512i&>(ab)));
+          _mm512_storeu_si512(o + 2 * c, interleave(bf16_pair(_mm512_mul_ps(_mm512_loadu_ps(lo + c), s),
+                                                              _mm512_mul_ps(_mm512_loadu_ps(hi + c), s))));
         }
       }
 #endif
@@ -272,30 +292,53 @@ float scores_cols(const Params& p, float* st, const Block& b) {
   return scaled ? kLog2e : p.scale * kLog2e;
 }
 
-// w = x (N x Rs), column i times row row0+i's keep mask (1 / rho or 0): the same draws as
-// keep_row's, word w of a row's stream giving its columns w*per_word... (x may be w.)
-void drop_cols(const Params& p, const float* x, float* w, const Block& b, uint64_t* keys) {
-  const int64_t N = b.N, R = b.R, Rs = b.Rs;
-  const int per_word = 64 / p.width, width = p.width;
-  const uint64_t lane = p.width == 16 ? 0xffffULL : 0xffffffffULL;
-  uint64_t* bits = keys + Rs;  // (keys: 2 Rs words)
-  for (int64_t i = 0; i < R; ++i)
-    keys[i] = mix64(p.seed ^ mix64(static_cast<uint64_t>(b.row0 + i) + 1));
-  const float inv_keep = p.inv_keep;
-  const uint64_t dropped = p.dropped;
-  TORCH_CHECK(b.k0 % per_word == 0, "attnlab cpu_flash: key chunks start on a word");
-  for (int64_t c0 = 0, word = 1 + b.k0 / per_word; c0 < N; c0 += per_word, ++word) {
-    const uint64_t step = static_cast<uint64_t>(word) * 0x9e3779b97f4a7c15ULL;
+// A block's dropout draws (scratch of bytes(Rs)): the stream keys of its rows (keys[i], i < R:
+// keep_row's, of row row0 + i), one word of each row's stream (bits), and the keep factors
+// (1 / rho or 0) of that word's columns (keep[t * Rs + i] for its column t and row i).
+struct Draws {
+  uint64_t *keys, *bits;
+  float* keep;
+  static size_t bytes(int64_t Rs) { return 2 * Rs * sizeof(uint64_t) + 4 * Rs * sizeof(float); }
+  Draws(void* buf, const Params& p, const Block& b)
+      : keys(static_cast<uint64_t*>(buf)), bits(keys + b.Rs),
+        keep(reinterpret_cast<float*>(bits + b.Rs)) {
+    for (int64_t i = 0; i < b.R; ++i)
+      keys[i] = mix64(p.seed ^ mix64(static_cast<uint64_t>(b.row0 + i) + 1));
+  }
+  // keep for columns c0:c0+per_word (c0 a multiple of per_word), 0 past R: word w of a row's
+  // stream gives its columns w*per_word..., as keep_row's.
+  void word(const Params& p, const Block& b, int64_t c0) {
+    const int64_t R = b.R, Rs = b.Rs;
+    const int per_word = 64 / p.width, width = p.width;
+    const uint64_t lane = p.width == 16 ? 0xffffULL : 0xffffffffULL;
+    TORCH_CHECK((b.k0 + c0) % per_word == 0, "attnlab cpu_flash: key chunks start on a word");
+    const uint64_t step = (1 + static_cast<uint64_t>((b.k0 + c0) / per_word)) * 0x9e3779b97f4a7c15ULL;
 #pragma omp simd
     for (int64_t i = 0; i < R; ++i) bits[i] = mix64(keys[i] + step);  // (8 rows to a vector)
-    const int64_t nc = std::min<int64_t>(per_word, N - c0);
-    for (int64_t t = 0; t < nc; ++t) {
-      const float* in = x + (c0 + t) * Rs;
-      float* row = w + (c0 + t) * Rs;
+    const float inv_keep = p.inv_keep;
+    const uint64_t dropped = p.dropped;
+    for (int t = 0; t < per_word; ++t) {
+      float* k = keep + t * Rs;
 #pragma omp simd
       for (int64_t i = 0; i < R; ++i)
-        row[i] = in[i] * (((bits[i] >> (width * t)) & lane) >= dropped ? inv_keep : 0.f);
-      std::fill(row + R, row + Rs, 0.f);
+        k[i] = ((bits[i] >> (width * t)) & lane) >= dropped ? inv_keep : 0.f;
+      std::fill(k + R, k + Rs, 0.f);
+    }
+  }
+};
+
+// x (N x Rs) in place: column i times row row0+i's keep factor, 0 past R.
+void drop_cols(const Params& p, float* x, const Block& b, Draws& draws) {
+  const int64_t N = b.N, Rs = b.Rs;
+  const int per_word = 64 / p.width;
+  for (int64_t c0 = 0; c0 < N; c0 += per_word) {
+    draws.word(p, b, c0);
+    const int64_t nc = std::min<int64_t>(per_word, N - c0);
+    for (int64_t t = 0; t < nc; ++t) {
+      const float* k = draws.keep + t * Rs;
+      float* row = x + (c0 + t) * Rs;
+#pragma omp simd
+      for (int64_t i = 0; i < Rs; ++i) row[i] *= k[i];
     }
   }
 }
@@ -340,7 +383,7 @@ inline __mmask16 lanes(int64_t R, int v) {  // lanes of vector v below R
 // P^T Z / rho packed for brgemm (key pairs interleaved) into out.
 template <int NV>
 void softmax_cols(const Params& p, float* st, const Block& b, float unit, float* stats,
-                  uint64_t* keys, void* out) {
+                  void* draws, void* out) {
   const int64_t N = b.N, Rs = 16 * NV;
   __m512 m[NV], total[NV];
   for (int v = 0; v < NV; ++v) m[v] = _mm512_set1_ps(-kInf);
@@ -378,15 +421,23 @@ void softmax_cols(const Params& p, float* st, const Block& b, float unit, float*
     }
     norm[i] = tf[i] == 0.f ? 0.f : 1.f / tf[i];  // (NaN stays NaN)
   }
-  if (p.dropout) drop_cols(p, st, st, b, keys);
+  if (p.dropout) {
+    Draws d(draws, p, b);
+    drop_cols(p, st, b, d);
+  }
   pack_rows(st, N, b.R, Rs, out, norm);
 }
 
-// Backward, first pass: P (in place of St) and W = P Z / rho (in w, or P itself), and W^T in
-// 16 bits (wb, N x Rs, 0 past R).
+// Backward, one pass over the block: P = 2^(log2(e) (t - m)) / l from St, W = P Z / rho and
+// W' = W rounded to bfloat16 as the forward's product took it (wb, N x Rs: dV's A), and
+// s dS = s (W' dP - P D) (0 where P is, and past R), D = dO . O = sum_j W' dP of the block's
+// rows, so that each row of dS sums to 0 as the readable formula's in bfloat16: in 16 bits as
+// rows (dsb, N x Rs: dK's A) and packed for brgemm (ds_p: key pairs interleaved, kCols
+// columns: dQ^T's B).
 template <int NV>
-void probabilities_cols(const Params& p, float* st, float* w, const Block& b, float unit,
-                        const float* stats, uint64_t* keys, bf16* wb) {
+void grads_cols(const Params& p, const float* st, const float* dpt, const Block& b, float unit,
+                const float* stats, const float* d_in, void* draws, bf16* wb, bf16* dsb,
+                bf16* ds_p) {
   const int64_t N = b.N, Rs = 16 * NV;
   alignas(64) float shift[64], inv_total[64];
   for (int64_t i = 0; i < Rs; ++i) {  // (a dead row: +inf, weights 0; a NaN row: NaN)
@@ -395,70 +446,49 @@ void probabilities_cols(const Params& p, float* st, float* w, const Block& b, fl
     inv_total[i] = row ? std::exp(-stats[(b.row0 + i) * p.sw + 1]) : 0.f;
   }
   const __m512 sf = _mm512_set1_ps(unit / kLog2e), l2e = _mm512_set1_ps(kLog2e);
-  __m512 sh[NV], it[NV];
+  const __m512 zero = _mm512_setzero_ps(), scale = _mm512_set1_ps(p.scale);
+  __m512 sh[NV], it[NV], d[NV];
   for (int v = 0; v < NV; ++v) {
     sh[v] = _mm512_load_ps(shift + 16 * v);
     it[v] = _mm512_load_ps(inv_total + 16 * v);
+    d[v] = _mm512_loadu_ps(d_in + 16 * v);
   }
-  auto store_w = [&](int64_t x, int v, __m512 wv) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + x), to_bf16(wv, lanes(b.R, v)));
-  };
-  for (int64_t c = 0; c < N; ++c) {  // P = 2^(log2(e) (t - m)) / l
+  const int per_word = 64 / p.width;
+  std::optional<Draws> drop;
+  if (p.dropout) drop.emplace(draws, p, b);
+  // keys c, c+1 at once: each rounding to 16 bits converts the pair (the lanes past R are 0
+  // already: their shift is +inf, and live excludes them)
+  for (int64_t c = 0; c < N; c += 2) {
+    if (drop && c % per_word == 0) drop->word(p, b, c);
+    const bool two = c + 1 < N;
+    bf16* o = ds_p + c / 2 * 2 * kCols;
     for (int v = 0; v < NV; ++v) {
       const int64_t x = c * Rs + 16 * v;
-      const __m512 y = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_loadu_ps(st + x), sf, sh[v]), l2e);
-      const __m512 pr = _mm512_mul_ps(exp2_nonpositive(y), it[v]);
-      _mm512_storeu_ps(st + x, pr);
-      if (!p.dropout) store_w(x, v, pr);  // (W = P)
-    }
-  }
-  if (p.dropout) {
-    drop_cols(p, st, w, b, keys);
-    for (int64_t c = 0; c < N; ++c)
-      for (int v = 0; v < NV; ++v) store_w(c * Rs + 16 * v, v, _mm512_loadu_ps(w + c * Rs + 16 * v));
-  }
-}
-
-// Backward, second pass: s dS = s (W' dP - P D) (0 where P is, and past R), W' = W rounded
-// to bfloat16 as the forward's product took it and D = dO . O = sum_j W' dP of the block's
-// rows (so that each row of dS sums to 0, as the readable formula's in bfloat16), in 16 bits:
-// as rows (dsb, N x Rs) and packed for brgemm (ds_p: key pairs interleaved, kCols columns).
-template <int NV>
-void score_grads_cols(const Params& p, const float* st, const float* w, const float* dpt,
-                      const Block& b, const float* d_in, bf16* dsb, bf16* ds_p) {
-  const int64_t N = b.N, Rs = 16 * NV;
-  const __m512 zero = _mm512_setzero_ps();
-  __m512 d[NV];
-  for (int v = 0; v < NV; ++v) d[v] = _mm512_loadu_ps(d_in + 16 * v);
-  const __m512 scale = _mm512_set1_ps(p.scale);
-  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                         16, 0);  // (a0 b0 a1 b1 ... from a0..a15 b0..b15)
-  for (int64_t c = 0; c < N; c += 2) {  // s dS for keys c, c+1: row-major and packed (pairs)
-    __m512 ds[2][NV];
-    for (int h = 0; h < 2; ++h) {
-      for (int v = 0; v < NV; ++v) {
-        if (c + h >= N) {
-          ds[h][v] = zero;
+      __m512 pr[2], w[2];
+      for (int h = 0; h < 2; ++h) {
+        if (h == 1 && !two) {
+          pr[1] = w[1] = zero;
           continue;
         }
-        const int64_t x = (c + h) * Rs + 16 * v;
-        const __m512 pr = _mm512_loadu_ps(st + x), wv = round_bf16(_mm512_loadu_ps(w + x));
-        const __mmask16 live = _mm512_cmp_ps_mask(pr, zero, _CMP_NEQ_UQ) & lanes(b.R, v);
-        const __m512 g = _mm512_fmsub_ps(wv, _mm512_loadu_ps(dpt + x), _mm512_mul_ps(pr, d[v]));
-        ds[h][v] = _mm512_maskz_mul_ps(live, g, scale);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsb + x), to_bf16(ds[h][v], 0xffff));
+        const __m512 y = _mm512_mul_ps(_mm512_fmsub_ps(_mm512_loadu_ps(st + x + h * Rs), sf, sh[v]), l2e);
+        pr[h] = w[h] = _mm512_mul_ps(exp2_nonpositive(y), it[v]);
+        if (drop)
+          w[h] = _mm512_mul_ps(pr[h], _mm512_loadu_ps(drop->keep + (c + h) % per_word * Rs + 16 * v));
       }
-    }
-    bf16* o = ds_p + c / 2 * 2 * kCols;
-    for (int v = 0; v < kCols / 16; ++v) {
-      if (v < NV) {
-        const __m512bh ab = _mm512_cvtne2ps_pbh(ds[1][v], ds[0][v]);
-        _mm512_storeu_si512(o + 32 * v, _mm512_permutexvar_epi16(pairs, reinterpret_cast<const __m512i&>(ab)));
-      } else {
-        _mm512_storeu_si512(o + 32 * v, _mm512_setzero_si512());
+      const __m512i wp = bf16_pair(w[0], w[1]);  // (W'_c, W'_c+1)
+      store_pair(wp, wb + x, Rs, two);
+      __m512 ds[2];
+      for (int h = 0; h < 2; ++h) {
+        const __mmask16 live = _mm512_cmp_ps_mask(pr[h], zero, _CMP_NEQ_UQ);
+        const __m512 dp = h == 1 && !two ? zero : _mm512_loadu_ps(dpt + x + h * Rs);
+        const __m512 g = _mm512_fmsub_ps(widen_bf16(wp, h), dp, _mm512_mul_ps(pr[h], d[v]));
+        ds[h] = _mm512_maskz_mul_ps(live, g, scale);
       }
+      const __m512i dsp = bf16_pair(ds[0], ds[1]);
+      store_pair(dsp, dsb + x, Rs, two);
+      _mm512_storeu_si512(o + 32 * v, interleave(dsp));
     }
+    for (int v = NV; v < kCols / 16; ++v) _mm512_storeu_si512(o + 32 * v, _mm512_setzero_si512());
   }
 }
 
@@ -493,7 +523,7 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
   const bool exact = p.sw > 2;  // (for a backward: each row's float32 output in stats)
   float* ot = static_cast<float*>(sc.o.get(Ev * rows * sizeof(float)));
   float* o = static_cast<float*>(sc.pf.get(rows * Ev * sizeof(float)));
-  uint64_t* keys = static_cast<uint64_t*>(sc.t.get(2 * rows_s * sizeof(uint64_t)));
+  void* draws = sc.t.get(Draws::bytes(rows_s));
   for (int64_t r0 = first * rows; r0 < L; r0 += stride * rows) {
     const int64_t R = std::min(L, r0 + rows) - r0, N = block_keys(p, r0 + R);
     for (int64_t g = 0; g < G; ++g) {
@@ -514,7 +544,7 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
         for (int64_t c = 0; c < N; ++c) std::fill(st + c * b.Rs + R, st + (c + 1) * b.Rs, 0.f);
       const float unit = scores_cols(p, st, b);
       for_vectors(b.nv(), [&](auto nv) {
-        softmax_cols<decltype(nv)::value>(p, st, b, unit, stats, keys, pt_p);
+        softmax_cols<decltype(nv)::value>(p, st, b, unit, stats, draws, pt_p);
       });
       const Packed pt{static_cast<bf16*>(pt_p), N, R};  // P^T Z / rho, in bfloat16
       {
@@ -560,8 +590,8 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
   const size_t cells = ldc * rows_s;
   float* st = static_cast<float*>(sc.s.get(cells * sizeof(float)));   // St, then P^T
   float* dpt = static_cast<float*>(sc.dp.get(cells * sizeof(float)));  // dP^T
-  float* wt = p.dropout ? static_cast<float*>(sc.w.get(cells * sizeof(float))) : st;
-  bf16* wb = static_cast<bf16*>(sc.pm.get(cells * sizeof(bf16)));  // W^T, then s dS^T: 16 bits
+  bf16* wb = static_cast<bf16*>(sc.pm.get(cells * sizeof(bf16)));  // W'^T
+  bf16* dsb = static_cast<bf16*>(sc.w.get(cells * sizeof(bf16)));  // s dS^T
   bf16* kt = static_cast<bf16*>(sc.kvt.get(E * ldc * sizeof(bf16)));  // K^T of the chunk
   float* dk = static_cast<float*>(sc.q.get(chunk * E * sizeof(float)));  // the chunk's sums
   float* dv = static_cast<float*>(sc.keep.get(chunk * Ev * sizeof(float)));
@@ -586,7 +616,7 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
       pack_rows(dob, R, Ev, lddo, at + qt_n + dot_n + q_n);
     }
   bf16* ds_p = static_cast<bf16*>(sc.pt_p.get(Packed::bytes(ldc, kCols)));
-  uint64_t* keys = static_cast<uint64_t*>(sc.t.get(2 * rows_s * sizeof(uint64_t)));
+  void* draws = sc.t.get(Draws::bytes(rows_s));
   uint32_t* pair_words = static_cast<uint32_t*>(sc.dsm.get(ldc / 2 * E * sizeof(uint32_t)));
   for (int64_t r = 0; r < G * L; ++r) {  // D = dO . O (O from the forward's float32 weights)
     const bf16* a = dout + r * lddo;
@@ -622,13 +652,11 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
         }
         const float unit = scores_cols(p, st, b);
         for_vectors(b.nv(), [&](auto nv) {
-          probabilities_cols<decltype(nv)::value>(p, st, wt, b, unit, stats, keys, wb);
+          grads_cols<decltype(nv)::value>(p, st, dpt, b, unit, stats, d + g * L + r0, draws, wb,
+                                          dsb, ds_p);
         });
-        gemm(N, Ev, R, wb, b.Rs, dor, dv, Ev, true);  // dV += W^T dO
-        for_vectors(b.nv(), [&](auto nv) {  // (s dS^T in W^T's place)
-          score_grads_cols<decltype(nv)::value>(p, st, wt, dpt, b, d + g * L + r0, wb, ds_p);
-        });
-        gemm(N, E, R, wb, b.Rs, qr, dk, E, true);  // dK += s dS^T Q
+        gemm(N, Ev, R, wb, b.Rs, dor, dv, Ev, true);  // dV += W'^T dO
+        gemm(N, E, R, dsb, b.Rs, qr, dk, E, true);  // dK += s dS^T Q
         {
           HiddenColumn hidden(kt, E, ldc, N, nk);
           float* acc = dqt + (g * blocks + blk) * E * rows_s;
