@@ -8,7 +8,7 @@ import torch
 
 import attnlab.functional as AF
 from attnlab.functional import sdpa
-from attnlab.kernels import choice
+from attnlab.kernels import choice, cpu_flash
 from conftest import Graphs
 
 
@@ -240,8 +240,9 @@ def test_the_kernel_operators_pass_torchs_operator_checks():
     mask = torch.rand(2, 1, 33, 40, generator=torch.Generator().manual_seed(6)) > 0.3
     seed = torch.tensor(123)
     op = torch.ops.attnlab.cpu_flash.default
-    torch.library.opcheck(op, (q, k, v, mask, None, 0.25, 0.2, seed))
-    torch.library.opcheck(op, (q, k, v, None, "bottom_right", 0.25, 0.0, seed))
+    for width in (2, 2 + v.shape[-1]):  # (the stats' width its graph was traced with)
+        torch.library.opcheck(op, (q, k, v, mask, None, 0.25, 0.2, seed, width))
+        torch.library.opcheck(op, (q, k, v, None, "bottom_right", 0.25, 0.0, seed, width))
 
 
 def test_the_backward_operator_returns_contiguous_gradients_for_transposed_inputs():
@@ -251,7 +252,8 @@ def test_the_backward_operator_returns_contiguous_gradients_for_transposed_input
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv())  # (B, L, H, E)
     assert not q.is_contiguous()
     seed = torch.tensor(7)
-    out, lse = torch.ops.attnlab.cpu_flash.default(q, k, v, None, None, 0.25, 0.1, seed)
+    width = cpu_flash._stats_width(q.dtype, q.shape[-1], v.shape[-1])
+    out, lse = torch.ops.attnlab.cpu_flash.default(q, k, v, None, None, 0.25, 0.1, seed, width)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(8))
     args = (dout, q, k, v, out, lse, None, None, 0.25, 0.1, seed)
     torch.library.opcheck(torch.ops.attnlab.cpu_flash_backward.default, args)

@@ -33,7 +33,7 @@ def impl(request, monkeypatch):
     if request.param.startswith("cpp"):
         assert cpu_flash_native.module() is not None, cpu_flash_native.unavailable()
         if request.param == "cpp-bmm":
-            monkeypatch.setattr(cpu_flash_native, "brgemm", lambda: False)
+            monkeypatch.setattr(cpu_flash_native, "brgemm", lambda dtype=None: False)
     else:
         monkeypatch.setattr(cpu_flash_native, "module", lambda: None)
         monkeypatch.setattr(cpu_flash_native, "unavailable", lambda: "switched off by a test")

@@ -35,6 +35,7 @@ def inputs(B, H, Hkv, L, S, E, Ev, dtype=torch.float32, seed=0, grad=False, spre
 def keep_pattern(monkeypatch, rows, threads, alignment=None):
     """Which weights survive dropout (V = I: the output is the dropped weights)."""
     monkeypatch.setattr(cf, "BLOCK_ROWS", rows)
+    monkeypatch.setattr(cf, "BRGEMM_ROWS", min(rows, 64))
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     q, k, _ = inputs(2, 4, 2, 37, 29, 8, 8)
     eye = torch.eye(29).expand(2, 2, 29, 29)
@@ -43,6 +44,7 @@ def keep_pattern(monkeypatch, rows, threads, alignment=None):
 
 
 def test_blocks_take_several_groups_when_they_hold_whole_rows(monkeypatch):
+    monkeypatch.setattr(cpu_flash_native, "brgemm", lambda dtype=None: False)  # (at::bmm's)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     q, k, v = inputs(5, 8, 4, 11, 9, 8, 4)
     assert "2*11 query rows of 4 kv head(s)" in describe(q, k, v, None)  # 20 groups / (3 x 2)
@@ -134,19 +136,34 @@ SHAPES = [  # (B, H, Hkv, L, S, E, Ev): B * Hkv = 1 (the row blocks of one kv he
 ]
 
 
+def float32_backend(monkeypatch, backend, rows):
+    """Float32 products through oneDNN's brgemm (row blocks of min(rows, 64)) or through the
+    at::bmm blocks (rows of `rows`), as a CPU without float32 brgemm runs them."""
+    if backend == "brgemm":
+        if not cpu_flash_native.brgemm(torch.float32):
+            pytest.skip("no float32 brgemm in this build or on this CPU: at::bmm serves")
+        monkeypatch.setattr(cf, "BRGEMM_ROWS", min(rows, 64))
+    else:
+        monkeypatch.setattr(cpu_flash_native, "brgemm", lambda dtype=None: False)
+        monkeypatch.setattr(cf, "BLOCK_ROWS", rows)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
 @pytest.mark.parametrize("alignment", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [5, 256], ids=["rows-of-5", "whole-rows"])
+@pytest.mark.parametrize("backend", ["brgemm", "at::bmm"])
 def test_float32_gradients_within_twice_the_control_error(
-    monkeypatch, shape, mask_kind, alignment, threads, rows
+    monkeypatch, shape, mask_kind, alignment, threads, rows, backend
 ):
     """Forward and gradients in float32 against float64: error <= 2x the readable formula's in
-    float32 (+ 1e-6), for several row blocks (rows of 5) or whole rows (and then several groups
-    per block), on one and two threads."""
-    monkeypatch.setattr(cf, "BLOCK_ROWS", rows)
+    float32 (+ 1e-6), for several row blocks (rows of 5) or whole rows (at::bmm: then several
+    groups per block; brgemm: 64), on one and two threads."""
+    float32_backend(monkeypatch, backend, rows)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    q, k, v = inputs(*shape)
+    assert ("brgemm" in describe(q, k, v, alignment)) == (backend == "brgemm")
     within_twice_the_control(shape, mask_kind, alignment, torch.float32, 0.3, seeds=(3, 4))
 
 
@@ -180,10 +197,11 @@ def within_twice_the_control(shape, mask_kind, alignment, dtype, scale, seeds, s
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_float32_dropout_gradients_use_the_forward_mask(monkeypatch, threads):
+@pytest.mark.parametrize("backend", ["brgemm", "at::bmm"])
+def test_float32_dropout_gradients_use_the_forward_mask(monkeypatch, threads, backend):
     """Gradients equal the readable formula's with the keep mask recovered from the forward
     (V = I), in float32, on one and two threads (one kv head: its row blocks dealt out)."""
-    monkeypatch.setattr(cf, "BLOCK_ROWS", 4)
+    float32_backend(monkeypatch, backend, 4)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     B, H, Hkv, L, S, p = 1, 2, 1, 19, 13, 0.25
     q, k, _ = inputs(B, H, Hkv, L, S, 6, S, seed=8, grad=True)
@@ -257,24 +275,27 @@ BRGEMM = pytest.mark.skipif(
 )
 
 
-@BRGEMM
 @pytest.mark.parametrize(
     "shape",  # (B, H, Hkv, L, S, E, Ev): row blocks of 64 and an odd tail, an odd key count,
-    # Ev over one packed column block (80); one group on two threads (its blocks dealt out)
+    # Ev over one column block of a product (80); one group on two threads (its blocks dealt out)
     [(1, 4, 2, 150, 133, 64, 80), (2, 2, 1, 67, 67, 32, 32), (1, 2, 1, 130, 97, 16, 8)],
     ids=str,
 )
 @pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
 @pytest.mark.parametrize("alignment", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_bf16_brgemm_gradients_within_twice_the_control_error(
-    monkeypatch, shape, mask_kind, alignment, threads
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_brgemm_gradients_within_twice_the_control_error(
+    monkeypatch, shape, mask_kind, alignment, threads, dtype
 ):
-    """bfloat16 through brgemm, forward and gradients, against float64: error <= 2x the
-    readable formula's in bfloat16 (the control)."""
+    """bfloat16 or float32 through brgemm, forward and gradients, against float64: error <= 2x
+    the readable formula's in that dtype (the control)."""
+    if not cpu_flash_native.brgemm(dtype) or (dtype == torch.bfloat16 and not cf.native_bf16()):
+        pytest.skip(f"no {dtype} brgemm in this build or on this CPU: the at::bmm path serves")
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    assert "brgemm" in describe(*inputs(*shape, dtype=torch.bfloat16), alignment)
-    within_twice_the_control(shape, mask_kind, alignment, torch.bfloat16, 0.125, (5, 6), "ulp")
+    assert "brgemm" in describe(*inputs(*shape, dtype=dtype), alignment)
+    slack = "ulp" if dtype == torch.bfloat16 else 1e-6
+    within_twice_the_control(shape, mask_kind, alignment, dtype, 0.125, (5, 6), slack)
 
 
 @BRGEMM
@@ -295,16 +316,25 @@ def test_bf16_brgemm_never_reads_a_hidden_key(monkeypatch):
 
 
 @BRGEMM
-def test_bf16_brgemm_dropout_keeps_the_float32_draws(monkeypatch):
-    """The keep mask is a function of (seed, row, column): bfloat16 through brgemm drops the
-    same weights as float32 through the at::bmm blocks."""
-    q, k, _ = inputs(2, 4, 2, 70, 29, 8, 8)
-    eye = torch.eye(29).expand(2, 2, 29, 29)
+def test_brgemm_dropout_keeps_the_at_bmm_draws(monkeypatch):
+    """The keep mask is a function of (seed, row, column): bfloat16 and float32 through brgemm
+    drop the same weights as float32 through the at::bmm blocks (V = I: Ev = S, even for
+    bfloat16's brgemm)."""
+    q, k, _ = inputs(2, 4, 2, 70, 30, 8, 8)
+    eye = torch.eye(30).expand(2, 2, 30, 30)
+    brgemm = cpu_flash_native.brgemm
+    monkeypatch.setattr(cpu_flash_native, "brgemm", lambda dtype=None: False)
     torch.manual_seed(7)
     want = flash_attention(q, k, eye, None, None, 0.5, 0.3) != 0
-    torch.manual_seed(7)
-    got = flash_attention(q.bfloat16(), k.bfloat16(), eye.bfloat16(), None, None, 0.5, 0.3) != 0
-    assert torch.equal(got, want)
+    monkeypatch.setattr(cpu_flash_native, "brgemm", brgemm)
+    for dtype in (torch.bfloat16, torch.float32):
+        if dtype == torch.float32 and not brgemm(dtype):
+            continue
+        x = [t.to(dtype) for t in (q, k, eye)]
+        assert "brgemm" in describe(*x, None)
+        torch.manual_seed(7)
+        got = flash_attention(*x, None, None, 0.5, 0.3) != 0
+        assert torch.equal(got, want), dtype
 
 
 @BRGEMM
@@ -356,8 +386,37 @@ def test_a_brgemm_forward_then_an_at_bmm_backward(monkeypatch):
     q, k, v = inputs(1, 2, 1, 40, 40, 16, 16, dtype=torch.bfloat16, grad=True)
     out = flash_attention(q, k, v, None, "top_left", 0.25, 0.0)
     up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
-    monkeypatch.setattr(cpu_flash_native, "brgemm", lambda: False)
+    monkeypatch.setattr(cpu_flash_native, "brgemm", lambda dtype=None: False)
     got = torch.autograd.grad(out, (q, k, v), up)
     want = torch.autograd.grad(_eager(q, k, v, None, "top_left", 0.25, 0.0)[0], (q, k, v), up)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0.05, atol=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("brgemm_now", [True, False], ids=["brgemm", "at::bmm"])
+def test_the_operator_gives_stats_of_the_width_its_graph_was_traced_with(
+    monkeypatch, dtype, brgemm_now
+):
+    """torch.compile's graph holds the operator with the stats' width of the machine it was
+    traced on (and a graph may come from the disk cache of another setting): whichever product
+    path serves now, the stats have that width and the gradients are right. Before, a cached
+    graph traced where float32 took the at::bmm blocks (width 2) met the brgemm path's
+    (2 + Ev): inductor's stride assertion failed."""
+    if brgemm_now and not cpu_flash_native.brgemm(dtype):
+        pytest.skip(f"no {dtype} brgemm here")
+    if not brgemm_now:
+        monkeypatch.setattr(cpu_flash_native, "brgemm", lambda dtype=None: False)
+    q, k, v = inputs(2, 4, 2, 37, 30, 16, 8, dtype=dtype, grad=True)
+    up = torch.randn(2, 4, 37, 8, generator=torch.Generator().manual_seed(4)).to(dtype)
+    ref = _eager(q, k, v, None, "bottom_right", 0.25, 0.0)[0]
+    want = torch.autograd.grad(ref, (q, k, v), up)
+    seed = torch.zeros((), dtype=torch.int64)
+    for width in (2, 2 + 8):
+        out, stats = cf._flash_op(q, k, v, None, "bottom_right", 0.25, 0.0, seed, width)
+        assert stats.shape == (2, 4, 37, width)
+        got = torch.autograd.grad(out, (q, k, v), up)
+        tol = {"rtol": 0.05, "atol": 0.02} if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(out, ref, **tol)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, **tol)

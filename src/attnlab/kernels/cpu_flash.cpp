@@ -25,9 +25,10 @@
 //
 // Rows with no visible key: output 0, stats (+inf, 0), gradients 0.
 //
-// bfloat16 products on a CPU whose oneDNN packs for them take the brgemm path (the section
-// "bfloat16 products through oneDNN's brgemm" below): the same math, blocks kept key-major,
-// the backward over key chunks; float32, and bfloat16 elsewhere, the at::bmm blocks above it.
+// bfloat16 products on a CPU whose oneDNN packs for them (AMX), and float32 ones where its
+// float32 brgemm runs, take the brgemm path (the section "... through oneDNN's brgemm"
+// below): the same math, blocks kept key-major, the backward over key chunks; elsewhere the
+// at::bmm blocks above it.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -36,7 +37,7 @@
 #include <ATen/native/CPUBlas.h>
 #endif
 #if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(__AVX512BF16__)
-#define ATTNLAB_BRGEMM 1  // bfloat16 products through oneDNN's brgemm (see below)
+#define ATTNLAB_BRGEMM 1  // bfloat16 and float32 products through oneDNN's brgemm (see below)
 #endif
 
 #if defined(__AVX512BF16__)
@@ -51,6 +52,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 
 namespace {
 
@@ -459,12 +461,13 @@ void backward_group(const Params& p, const Tensor& do3, const Tensor& q3, const 
   }
 }
 
-// ---- bfloat16 products through oneDNN's brgemm (AMX tiles where the CPU has them) ----
+// ---- bfloat16 (AMX tiles) and float32 products through oneDNN's brgemm ----
 // (cpu_flash_brgemm.h, read in here: it uses this file's types and row functions)
 #if defined(ATTNLAB_BRGEMM)
 #include "cpu_flash_brgemm.h"
 #else
 bool brgemm_available() { return false; }
+bool brgemm_f32_available() { return false; }
 #endif
 
 Params make_params(const Tensor& q5, const Tensor& k, const Tensor& v,
@@ -520,13 +523,16 @@ inline int64_t groups_per_block(const Params& p, int64_t per_block) {
 }
 
 // The brgemm path serves this call (the Python side asks for it where brgemm_available() and
-// the head dims are even: packed row pairs are 32-bit words); its rows must be contiguous.
+// the head dims are even: packed row pairs are 32-bit words; or, for float32 products, where
+// brgemm_f32_available()); its rows must be contiguous.
 bool take_brgemm(bool asked, const Params& p, const Tensor& q5, std::vector<Tensor*> operands) {
   if (!asked) return false;
-  TORCH_CHECK(brgemm_available() && q5.scalar_type() == at::kBFloat16 && p.E % 2 == 0 &&
-                  p.Ev % 2 == 0 && p.rows <= 64,
-              "attnlab cpu_flash: brgemm asked for where it does not serve (bfloat16, even head "
-              "dims, <= 64 rows per block, a CPU oneDNN packs for)");
+  const bool bf16 = q5.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(p.rows <= 64 && (bf16 ? brgemm_available() && p.E % 2 == 0 && p.Ev % 2 == 0
+                                    : q5.scalar_type() == at::kFloat && brgemm_f32_available()),
+              "attnlab cpu_flash: brgemm asked for where it does not serve (<= 64 rows per "
+              "block; bfloat16 with even head dims on a CPU oneDNN packs for, or float32 where "
+              "its float32 brgemm runs)");
   for (Tensor* x : operands)
     if (x->stride(2) != 1) *x = x->contiguous();
   return true;
@@ -559,8 +565,13 @@ std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
     float* st = stats.data_ptr<float>();
     const int64_t parts = parts_for(p, groups, threads);
     run_tasks(groups * parts, threads, [&](int64_t task, Scratch& sc) {
-      forward_group_brgemm(p, q3, k3, v3, out3, st, task / parts, task % parts, parts, sc);
-      cb::brgemm_release();
+      if (q5.scalar_type() == at::kFloat) {
+        forward_group_brgemm<float>(p, q3, k3, v3, out3, st, task / parts, task % parts, parts, sc);
+        cb::brgemm_release(false);
+      } else {
+        forward_group_brgemm<bf16>(p, q3, k3, v3, out3, st, task / parts, task % parts, parts, sc);
+        cb::brgemm_release();
+      }
     });
     return {out3.view({p.B, p.Hkv, p.G, p.L, p.Ev}), stats};
   }
@@ -614,9 +625,15 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
     run_tasks(groups * parts, threads, [&](int64_t task, Scratch& sc) {
       const int64_t part = task % parts;
       Tensor dq_t = dq_parts.select(0, part);
-      backward_group_brgemm(p, do3, q3, k3, v3, st, dq_t, dk16, dv16, task / parts, part, parts,
-                            sc);
-      cb::brgemm_release();
+      if (q5.scalar_type() == at::kFloat) {
+        backward_group_brgemm<float>(p, do3, q3, k3, v3, st, dq_t, dk16, dv16, task / parts, part,
+                                     parts, sc);
+        cb::brgemm_release(false);
+      } else {
+        backward_group_brgemm<bf16>(p, do3, q3, k3, v3, st, dq_t, dk16, dv16, task / parts, part,
+                                    parts, sc);
+        cb::brgemm_release();
+      }
     });
     Tensor dq3 = parts > 1 ? dq_parts.sum(0).to(q5.scalar_type()) : dq_parts.select(0, 0);
     return {dq3.view({p.B, p.Hkv, p.G, p.L, p.E}), dk16.view({p.B, p.Hkv, p.S, p.E}),
@@ -668,4 +685,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("brgemm_available", &brgemm_available,
         "whether bfloat16 products may go through oneDNN's brgemm (packed B) on this CPU");
+  m.def("brgemm_f32_available", &brgemm_f32_available,
+        "whether float32 products may go through oneDNN's brgemm on this CPU");
 }

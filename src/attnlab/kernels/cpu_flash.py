@@ -70,9 +70,11 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from attnlab.kernels import cpu_flash_native
@@ -84,14 +86,31 @@ BLOCK_BYTES = 2 * 2**20  # float32 scores of one block (at least one head x G*BL
 # this (L = S = 1,448 for G = 1), so that dK and dV are one bf16 GEMM each (backward_group):
 # fwd+bwd 11-17% faster at L = 512-1,536 (measured; at 2,048 one block is 20% slower)
 ONE_BLOCK_BYTES_BF16 = 8 * 2**20
-# the C++ kernel's brgemm path (bf16): query rows of one head per block, its float32 scores
-# and dP in L2 beside the packed K, V
+# the C++ kernel's brgemm path (bf16 and float32 products): query rows of one head per block,
+# its float32 scores and dP in L2 beside K, V
 BRGEMM_ROWS = 64
 LOG2E = 1.0 / math.log(2.0)
 # a row max past this (in the plan's unit) gets P from the max and the sum apart in the backward:
 # the lse's rounding (half an ulp of the max, 2^-14 here) would otherwise count against P
 HUGE_MAX = 2.0**10
 inf = float("inf")
+
+
+def _products_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The blocks' product dtype for inputs of ``dtype``: bfloat16 where the CPU multiplies it
+    natively, float64 for float64, else float32 (16-bit inputs widened once)."""
+    if dtype == torch.float64 or dtype == torch.bfloat16 and native_bf16():
+        return dtype
+    return torch.float32
+
+
+def _brgemm(mm_dtype: torch.dtype, E: int, Ev: int) -> bool:
+    """Whether the C++ kernel's products of ``mm_dtype`` go through oneDNN's brgemm: bfloat16
+    with even head dims on a CPU it packs for (packed row pairs are 32-bit words), float32 where
+    its float32 brgemm runs."""
+    if mm_dtype == torch.bfloat16:
+        return E % 2 == 0 and Ev % 2 == 0 and cpu_flash_native.brgemm()
+    return mm_dtype == torch.float32 and cpu_flash_native.brgemm(torch.float32)
 
 
 @functools.cache
@@ -176,7 +195,9 @@ def flash_attention(q, k, v, mask, alignment, scale, dropout_p, generator=None):
             seed = torch.randint(2**62, (), generator=generator)
         else:
             seed = torch.zeros((), dtype=torch.int64)
-        return _flash_op(q, k, v, mask, alignment, scale, dropout_p, seed)[0]
+        # (the stats' width, fixed when traced: a constant of the graph)
+        width = _stats_width(q.dtype, operator.index(q.shape[-1]), operator.index(v.shape[-1]))
+        return _flash_op(q, k, v, mask, alignment, scale, dropout_p, seed, width)[0]
     seed = int(torch.randint(2**62, (), generator=generator)) if dropout_p > 0 else 0
     # (decided here, outside the Function: inside it torch.func shows its forward no transform)
     native_ok = not _under_torch_func()
@@ -226,8 +247,7 @@ class _Plan:
             B, H, Hkv, H // Hkv, L, S, E, Ev,
         )  # fmt: skip
         self.dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # softmax
-        native = q.dtype == torch.bfloat16 and native_bf16()  # else products in float32
-        self.mm_dtype = q.dtype if q.dtype == torch.float64 or native else torch.float32
+        self.mm_dtype = _products_dtype(q.dtype)
         self.offset = None if alignment is None else (S - L if alignment == "bottom_right" else 0)
         self.rows = min(L, BLOCK_ROWS)
         if self.mm_dtype == torch.bfloat16 and H // Hkv * L * S * 4 <= ONE_BLOCK_BYTES_BF16:
@@ -275,7 +295,7 @@ class _Plan:
             return None
         return cpu_flash_native.module()
 
-    def native_args(self):
+    def native_args(self, brgemm=None):
         """The C++ kernel's arguments after q, k, v (and dout, stats for the backward).
 
         Its blocks: ``rows`` query rows of a kv head's G heads, the block's float32 scores
@@ -290,7 +310,7 @@ class _Plan:
             rows = max(1, min(self.L, BLOCK_ROWS, BLOCK_BYTES // (self.G * self.S * 4)))
         threads = cpu_flash_native.threads()
         groups = 1  # (batch row, kv head) groups per block: short sequences take several, in
-        brgemm = self.brgemm()
+        brgemm = self.brgemm() if brgemm is None else brgemm
         if brgemm:  # a head's rows per block, a group per task (products accumulate in float32)
             rows = min(self.L, BRGEMM_ROWS)
         elif rows == self.L:  # batched products, while their scores fit and each thread gets ~3
@@ -303,14 +323,8 @@ class _Plan:
         )  # fmt: skip
 
     def brgemm(self):
-        """Whether the C++ kernel's products go through oneDNN's brgemm (bfloat16, even head
-        dims, a CPU it packs for), else through at::bmm."""
-        return (
-            self.mm_dtype == torch.bfloat16
-            and self.E % 2 == 0
-            and self.Ev % 2 == 0
-            and cpu_flash_native.brgemm()
-        )
+        """Whether the C++ kernel's products go through oneDNN's brgemm, else at::bmm."""
+        return _brgemm(self.mm_dtype, self.E, self.Ev)
 
     def load(self, q, k, v):
         """The compute-dtype q (B, Hkv, G, L, E), k, v (16-bit widened once, unless native)."""
@@ -561,7 +575,10 @@ def _backward(dout, q, k, v, out, stats, mask, alignment, scale, dropout_p, seed
     native = plan.native() if native_ok else None
     if native is not None:
         with torch.autocast("cpu", enabled=False):
-            dq, dk, dv = native.backward(do, plan.q, plan.k, plan.v, stats, *plan.native_args())
+            # (brgemm only from a forward for a backward's stats: 2 + Ev wide)
+            brgemm = plan.brgemm() and stats.shape[-1] == 2 + Ev
+            args = plan.native_args(brgemm)
+            dq, dk, dv = native.backward(do, plan.q, plan.k, plan.v, stats, *args)
         return dq.view(B, plan.H, L, E).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     D = None  # rowsum(dO * O) (bf16 products: each block sums its own, see backward_group)
     if plan.mm_dtype == plan.dtype:
@@ -583,7 +600,10 @@ def _backward(dout, q, k, v, out, stats, mask, alignment, scale, dropout_p, seed
 
 # The kernel as two torch operators with autograd, for torch.compile: opaque nodes of its graph
 # (the blocks run on Python threads, which a graph cannot hold). The dropout seed is a tensor so
-# that the compiled graph draws it. (Eager calls take _FlashAttention: the same two functions.)
+# that the compiled graph draws it. The stats' width is an argument, fixed when the graph is
+# traced: a graph compiled (and cached on disk) where the other product path served still gets
+# stats of the shape it was compiled for. (Eager calls take _FlashAttention: the same two
+# functions.)
 @torch.library.custom_op("attnlab::cpu_flash", mutates_args=(), device_types="cpu")
 def _flash_op(
     q: torch.Tensor,
@@ -594,21 +614,31 @@ def _flash_op(
     scale: float,
     dropout_p: float,
     seed: torch.Tensor,
+    width: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, mask, alignment, scale, dropout_p, int(seed))
+    out, stats = _forward(q, k, v, mask, alignment, scale, dropout_p, int(seed), exact=width > 2)
+    if stats.shape[-1] < width:  # (traced where brgemm served; (m, log l) is what is read here)
+        stats = F.pad(stats, (0, width - stats.shape[-1]))
+    return out, stats
 
 
 @_flash_op.register_fake
-def _(q, k, v, mask, alignment, scale, dropout_p, seed):
+def _(q, k, v, mask, alignment, scale, dropout_p, seed, width):
     B, H, L, _ = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, _stats_width(q, k, v), dtype=acc)
+    return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L, width, dtype=acc)
 
 
-def _stats_width(q, k, v):
+def _stats_width(dtype: torch.dtype, E: int, Ev: int) -> int:
     """The last dim of ``stats`` from an exact forward (the operator's: a graph may train)."""
-    plan = _Plan(q, k, v, None, None, 1.0, 0.0, 0)
-    return 2 + plan.Ev if plan.native() is not None and plan.brgemm() else 2
+    mm = _products_dtype(dtype)
+    native = mm != torch.float64 and cpu_flash_native.module() is not None
+    return 2 + Ev if native and _brgemm(mm, E, Ev) else 2
+
+
+# torch.compiler.assume_constant_result(_stats_width), without importing torch._dynamo: run
+# when traced (it may build the C++ kernel), its answer a constant of the graph
+_stats_width._dynamo_marked_constant = True
 
 
 @torch.library.custom_op("attnlab::cpu_flash_backward", mutates_args=(), device_types="cpu")
@@ -635,7 +665,7 @@ def _(dout, q, k, v, out, stats, mask, alignment, scale, dropout_p, seed):
 
 
 def _save(ctx, inputs, output):
-    q, k, v, mask, alignment, scale, dropout_p, seed = inputs
+    q, k, v, mask, alignment, scale, dropout_p, seed, _ = inputs
     ctx.save_for_backward(q, k, v, *output, mask, seed)
     ctx.args = (alignment, scale, dropout_p)
 
@@ -646,7 +676,7 @@ def _differentiate(ctx, dout, dstats):
     dq, dk, dv = _flash_backward_op(
         dout.contiguous(), q, k, v, out, stats, mask, alignment, scale, dropout_p, seed
     )
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _flash_op.register_autograd(_differentiate, setup_context=_save)

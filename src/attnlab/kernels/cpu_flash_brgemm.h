@@ -1,9 +1,9 @@
-// attnlab's blocked CPU attention: bfloat16 products through oneDNN's brgemm. A part of
-// cpu_flash.cpp, read in by it inside its namespace where ATTNLAB_BRGEMM is defined (its
-// types, row functions and scratch are that file's).
+// attnlab's blocked CPU attention: bfloat16 or float32 products through oneDNN's brgemm. A
+// part of cpu_flash.cpp, read in by it inside its namespace where ATTNLAB_BRGEMM is defined
+// (its types, row functions and scratch are that file's).
 //
 // A block is query rows r0:r0+R (R <= 64) of one head against its visible keys, kept
-// key-major: St = K Q^T (N x R), so that each product is one or two brgemm calls (B's packed
+// key-major: St = K Q^T (N x R), so that each product is one or two brgemm calls (B's
 // column blocks hold <= 64 columns: here the block's R rows) with a long M (the keys), and each
 // row's softmax runs down a column, 16 rows to an AVX-512 vector:
 //
@@ -13,17 +13,37 @@
 //              St = K_c Q^T    dP^T = V_c dO^T    dS = W' dP - P D,  D = dO . O
 //              dV_c += W'^T dO    dK_c += s dS^T Q    dQ^T += s K_c^T dS^T
 //
-// W' is W rounded to bfloat16, as the products take it; O is the forward's float32 output
-// (carried with the row stats when the forward is for a backward), so D = sum_j W' dP and each
-// row of dS sums to 0. brgemm: C (M x N, float32) = A (M x K, bfloat16, row-major) B (K x N,
-// bfloat16 "packed": column blocks of kCols, each (K/2, kCols, 2), row pairs interleaved).
-// Scores, dP and every sum are float32; a chunk's dK, dV sums stay in L2 while the row blocks
-// pass over them.
+// W' is W as the products take it (bfloat16: rounded; float32: W itself); O is the forward's
+// float32 output (carried with the row stats when the forward is for a backward), so
+// D = sum_j W' dP and each row of dS sums to 0. brgemm: C (M x N, float32) = A (M x K,
+// row-major) B (K x N): for bfloat16 "packed" (column blocks of kCols, each (K/2, kCols, 2),
+// row pairs interleaved), for float32 plain rows. Scores, dP and every sum are float32; a
+// chunk's dK, dV sums stay in L2 while the row blocks pass over them.
 namespace cb = at::native::cpublas;
 using bf16 = at::BFloat16;
 constexpr int64_t kCols = 64;  // a packed block's columns (oneDNN takes 16, 32, 48 or 64)
 
 bool brgemm_available() { return cb::could_pack(at::kBFloat16); }
+
+// Whether float32 products go through brgemm here (oneDNN's float32 ukernel: this CPU and
+// torch build; one tiny product tried once).
+bool brgemm_f32_available() {
+  static const bool ok = [] {
+    try {
+      const float a[1] = {3.f}, b[1] = {2.f};
+      float c[1] = {0.f};
+      cb::brgemm(1, 1, 1, 1, 1, 1, false, a, b, c, /*is_vnni=*/false);
+      cb::brgemm_release(false);
+      return c[0] == 6.f;
+    } catch (...) {
+      return false;
+    }
+  }();
+  return ok;
+}
+
+template <typename T>
+constexpr bool kPairs = std::is_same_v<T, bf16>;  // 16-bit products: B packed in row pairs
 
 inline int64_t even(int64_t x) { return x + (x & 1); }
 
@@ -36,6 +56,16 @@ struct Packed {
     return static_cast<size_t>((N + kCols - 1) / kCols * kCols * even(K)) * sizeof(bf16);
   }
 };
+
+// A float32 B: plain rows (K x N, leading dimension ld), as brgemm takes them.
+struct Rows {
+  float* data;
+  int64_t K, N, ld;
+  static size_t bytes(int64_t K, int64_t N) { return static_cast<size_t>(K * N) * sizeof(float); }
+};
+
+template <typename T>
+using BOperand = std::conditional_t<kPairs<T>, Packed, Rows>;  // a product's B, for T's products
 
 // 32 bfloat16 (a0..a15 b0..b15) as pairs (a0 b0 a1 b1 ...): two rows of a packed B.
 inline __m512i interleave(__m512i ab) {
@@ -223,6 +253,38 @@ void transpose_pairs(const bf16* x, int64_t R, int64_t X, int64_t ld, bf16* out,
             reinterpret_cast<float*>(out), ld_out / 2);
 }
 
+// B = X (K rows of N, leading dimension ld) for float32 products: a copy, rows of N.
+Rows pack_rows(const float* x, int64_t K, int64_t N, int64_t ld, void* out) {
+  Rows b{static_cast<float*>(out), K, N, N};
+  for (int64_t k = 0; k < K; ++k) std::copy(x + k * ld, x + k * ld + N, b.data + k * N);
+  return b;
+}
+
+// B = X^T from X's N rows of K (leading dimension ld) for float32 products.
+Rows pack_transposed(const float* x, int64_t N, int64_t K, int64_t ld, void* out) {
+  Rows b{static_cast<float*>(out), K, N, N};
+  transpose(x, N, K, ld, b.data, N);
+  return b;
+}
+
+// out (X x R, leading dimension ld_out) = x^T (x: R rows of X, leading dimension ld).
+void transpose_pairs(const float* x, int64_t R, int64_t X, int64_t ld, float* out,
+                     int64_t ld_out, uint32_t*) {
+  transpose(x, R, X, ld, out, ld_out);
+}
+
+// C (M x N, leading dimension ldc) = A B (float32), or += with add.
+void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const Rows& B, float* C,
+          int64_t ldc, bool add) {
+  for (int64_t c0 = 0; c0 < N; c0 += kCols)
+    cb::brgemm(M, std::min(kCols, N - c0), K, lda, B.ld, ldc, add, A, B.data + c0, C + c0,
+               /*is_vnni=*/false);
+}
+
+// A B operand of K rows of N at data, as pack_rows and pack_transposed leave it.
+inline Packed operand(bf16* data, int64_t K, int64_t N) { return Packed{data, K, N}; }
+inline Rows operand(float* data, int64_t K, int64_t N) { return Rows{data, K, N, N}; }
+
 // C (M x N, leading dimension ldc) = A B, or += with add: A's first even(K) columns (lda) by
 // B's first even(K) rows and first N columns.
 void gemm(int64_t M, int64_t N, int64_t K, const bf16* A, int64_t lda, const Packed& B, float* C,
@@ -380,8 +442,9 @@ inline __mmask16 lanes(int64_t R, int v) {  // lanes of vector v below R
 }
 
 // Forward: each column's softmax (exponentials in place of the scores), the rows' stats, and
-// P^T Z / rho packed for brgemm (key pairs interleaved) into out.
-template <int NV>
+// P^T Z / rho: for 16-bit products packed for brgemm (key pairs interleaved) into out, for
+// float32 ones in place of the exponentials.
+template <typename T, int NV>
 void softmax_cols(const Params& p, float* st, const Block& b, float unit, float* stats,
                   void* draws, void* out) {
   const int64_t N = b.N, Rs = 16 * NV;
@@ -421,11 +484,20 @@ void softmax_cols(const Params& p, float* st, const Block& b, float unit, float*
     }
     norm[i] = tf[i] == 0.f ? 0.f : 1.f / tf[i];  // (NaN stays NaN)
   }
+  std::fill(norm + b.R, norm + Rs, 0.f);
   if (p.dropout) {
     Draws d(draws, p, b);
     drop_cols(p, st, b, d);
   }
-  pack_rows(st, N, b.R, Rs, out, norm);
+  if constexpr (kPairs<T>) {
+    pack_rows(st, N, b.R, Rs, out, norm);
+  } else {
+    for (int64_t c = 0; c < N; ++c)
+      for (int v = 0; v < NV; ++v) {
+        float* t = st + c * Rs + 16 * v;
+        _mm512_storeu_ps(t, _mm512_mul_ps(_mm512_loadu_ps(t), _mm512_load_ps(norm + 16 * v)));
+      }
+  }
 }
 
 // Backward, one pass over the block: P = 2^(log2(e) (t - m)) / l from St, W = P Z / rho and
@@ -434,10 +506,9 @@ void softmax_cols(const Params& p, float* st, const Block& b, float unit, float*
 // rows, so that each row of dS sums to 0 as the readable formula's in bfloat16: in 16 bits as
 // rows (dsb, N x Rs: dK's A) and packed for brgemm (ds_p: key pairs interleaved, kCols
 // columns: dQ^T's B).
-template <int NV>
+template <typename T, int NV>
 void grads_cols(const Params& p, const float* st, const float* dpt, const Block& b, float unit,
-                const float* stats, const float* d_in, void* draws, bf16* wb, bf16* dsb,
-                bf16* ds_p) {
+                const float* stats, const float* d_in, void* draws, T* wb, T* dsb, T* ds_p) {
   const int64_t N = b.N, Rs = 16 * NV;
   alignas(64) float shift[64], inv_total[64];
   for (int64_t i = 0; i < Rs; ++i) {  // (a dead row: +inf, weights 0; a NaN row: NaN)
@@ -461,7 +532,6 @@ void grads_cols(const Params& p, const float* st, const float* dpt, const Block&
   for (int64_t c = 0; c < N; c += 2) {
     if (drop && c % per_word == 0) drop->word(p, b, c);
     const bool two = c + 1 < N;
-    bf16* o = ds_p + c / 2 * 2 * kCols;
     for (int v = 0; v < NV; ++v) {
       const int64_t x = c * Rs + 16 * v;
       __m512 pr[2], w[2];
@@ -475,20 +545,34 @@ void grads_cols(const Params& p, const float* st, const float* dpt, const Block&
         if (drop)
           w[h] = _mm512_mul_ps(pr[h], _mm512_loadu_ps(drop->keep + (c + h) % per_word * Rs + 16 * v));
       }
-      const __m512i wp = bf16_pair(w[0], w[1]);  // (W'_c, W'_c+1)
-      store_pair(wp, wb + x, Rs, two);
-      __m512 ds[2];
+      __m512 wr[2] = {w[0], w[1]}, ds[2];  // W' (float32 products: W itself)
+      __m512i wp;
+      if constexpr (kPairs<T>) {
+        wp = bf16_pair(w[0], w[1]);  // (W'_c, W'_c+1)
+        store_pair(wp, wb + x, Rs, two);
+      } else {
+        _mm512_storeu_ps(wb + x, w[0]);
+        if (two) _mm512_storeu_ps(wb + x + Rs, w[1]);
+      }
       for (int h = 0; h < 2; ++h) {
+        if constexpr (kPairs<T>) wr[h] = widen_bf16(wp, h);
         const __mmask16 live = _mm512_cmp_ps_mask(pr[h], zero, _CMP_NEQ_UQ);
         const __m512 dp = h == 1 && !two ? zero : _mm512_loadu_ps(dpt + x + h * Rs);
-        const __m512 g = _mm512_fmsub_ps(widen_bf16(wp, h), dp, _mm512_mul_ps(pr[h], d[v]));
+        const __m512 g = _mm512_fmsub_ps(wr[h], dp, _mm512_mul_ps(pr[h], d[v]));
         ds[h] = _mm512_maskz_mul_ps(live, g, scale);
       }
-      const __m512i dsp = bf16_pair(ds[0], ds[1]);
-      store_pair(dsp, dsb + x, Rs, two);
-      _mm512_storeu_si512(o + 32 * v, interleave(dsp));
+      if constexpr (kPairs<T>) {
+        const __m512i dsp = bf16_pair(ds[0], ds[1]);
+        store_pair(dsp, dsb + x, Rs, two);
+        _mm512_storeu_si512(ds_p + c / 2 * 2 * kCols + 32 * v, interleave(dsp));
+      } else {
+        _mm512_storeu_ps(dsb + x, ds[0]);
+        if (two) _mm512_storeu_ps(dsb + x + Rs, ds[1]);
+      }
     }
-    for (int v = NV; v < kCols / 16; ++v) _mm512_storeu_si512(o + 32 * v, _mm512_setzero_si512());
+    if constexpr (kPairs<T>)
+      for (int v = NV; v < kCols / 16; ++v)
+        _mm512_storeu_si512(ds_p + c / 2 * 2 * kCols + 32 * v, _mm512_setzero_si512());
   }
 }
 
@@ -505,21 +589,22 @@ void for_vectors(int nv, F f) {
 
 // Rows r0:r0+R of every head of group gi (batch row, kv head), r0 = first, first + stride, ...
 // blocks of p.rows (<= 64): V^T made once for all of them.
+template <typename T>
 void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, const Tensor& v3,
                           Tensor& out3, float* stats, int64_t gi, int64_t first, int64_t stride,
                           Scratch& sc) {
   const int64_t G = p.G, L = p.L, S = p.S, E = p.E, Ev = p.Ev, ld = even(S), rows = p.rows;
   const int64_t rows_s = (rows + 15) / 16 * 16;
-  const bf16* q = q3.data_ptr<bf16>() + gi * q3.stride(0);
-  const bf16* k = k3.data_ptr<bf16>() + gi * k3.stride(0);
-  const bf16* v = v3.data_ptr<bf16>() + gi * v3.stride(0);
-  bf16* out = out3.data_ptr<bf16>() + gi * out3.stride(0);
+  const T* q = q3.data_ptr<T>() + gi * q3.stride(0);
+  const T* k = k3.data_ptr<T>() + gi * k3.stride(0);
+  const T* v = v3.data_ptr<T>() + gi * v3.stride(0);
+  T* out = out3.data_ptr<T>() + gi * out3.stride(0);
   const int64_t ldq = q3.stride(1), ldk = k3.stride(1), ldv = v3.stride(1);
-  bf16* vt = static_cast<bf16*>(sc.kvt.get(Ev * ld * sizeof(bf16)));  // V^T (Ev x S)
+  T* vt = static_cast<T*>(sc.kvt.get(Ev * ld * sizeof(T)));  // V^T (Ev x S)
   transpose_pairs(v, S, Ev, ldv, vt, ld, static_cast<uint32_t*>(sc.dp.get(ld / 2 * Ev * 4)));
   float* st = static_cast<float*>(sc.s.get(ld * rows_s * sizeof(float)));
-  void* qt_p = sc.qt_p.get(Packed::bytes(E, rows));
-  void* pt_p = sc.pt_p.get(Packed::bytes(ld, rows));
+  void* qt_p = sc.qt_p.get(BOperand<T>::bytes(E, rows));
+  void* pt_p = sc.pt_p.get(BOperand<T>::bytes(ld, rows));
   const bool exact = p.sw > 2;  // (for a backward: each row's float32 output in stats)
   float* ot = static_cast<float*>(sc.o.get(Ev * rows * sizeof(float)));
   float* o = static_cast<float*>(sc.pf.get(rows * Ev * sizeof(float)));
@@ -527,9 +612,9 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
   for (int64_t r0 = first * rows; r0 < L; r0 += stride * rows) {
     const int64_t R = std::min(L, r0 + rows) - r0, N = block_keys(p, r0 + R);
     for (int64_t g = 0; g < G; ++g) {
-      bf16* orows = out + (g * L + r0) * Ev;
+      T* orows = out + (g * L + r0) * Ev;
       if (N <= 0) {  // every row before the first key: dead, stats (+inf, 0), output 0
-        std::fill(orows, orows + R * Ev, bf16(0.f));
+        std::fill(orows, orows + R * Ev, T(0.f));
         for (int64_t i = 0; i < R; ++i) {
           float* s2 = stats + ((gi * G + g) * L + r0 + i) * p.sw;
           std::fill(s2, s2 + p.sw, 0.f);
@@ -538,21 +623,25 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
         continue;
       }
       const Block b{N, R, (R + 15) / 16 * 16, gi, g, r0, (gi * G + g) * L + r0};
-      const Packed qt = pack_transposed(q + (g * L + r0) * ldq, R, E, ldq, qt_p);
+      const BOperand<T> qt = pack_transposed(q + (g * L + r0) * ldq, R, E, ldq, qt_p);
       gemm(N, R, E, k, ldk, qt, st, b.Rs, false);  // St = K Q^T
       if (R < b.Rs)  // (the lanes past R: numbers, never read out)
         for (int64_t c = 0; c < N; ++c) std::fill(st + c * b.Rs + R, st + (c + 1) * b.Rs, 0.f);
       const float unit = scores_cols(p, st, b);
       for_vectors(b.nv(), [&](auto nv) {
-        softmax_cols<decltype(nv)::value>(p, st, b, unit, stats, draws, pt_p);
+        softmax_cols<T, decltype(nv)::value>(p, st, b, unit, stats, draws, pt_p);
       });
-      const Packed pt{static_cast<bf16*>(pt_p), N, R};  // P^T Z / rho, in bfloat16
       {
-        HiddenColumn hidden(vt, Ev, ld, N, S);
-        gemm(Ev, R, N, vt, ld, pt, ot, R, false);  // O^T = V^T P^T
+        std::optional<HiddenColumn> hidden;  // P^T Z / rho: packed bfloat16, or St's rows
+        if constexpr (kPairs<T>) {
+          hidden.emplace(vt, Ev, ld, N, S);
+          gemm(Ev, R, N, vt, ld, Packed{static_cast<bf16*>(pt_p), N, R}, ot, R, false);
+        } else {
+          gemm(Ev, R, N, vt, ld, Rows{st, N, R, b.Rs}, ot, R, false);  // O^T = V^T P^T
+        }
       }
       transpose(ot, Ev, R, R, o, Ev);
-      store_bf16(o, orows, R * Ev);
+      store_row(o, orows, R * Ev);
       if (exact)
         for (int64_t i = 0; i < R; ++i)
           std::copy(o + i * Ev, o + (i + 1) * Ev, stats + (b.row0 + i) * p.sw + 2);
@@ -571,28 +660,29 @@ constexpr int64_t kKeyChunk = 512;
 // float32 (G*L, E), summed by the caller). D = dO . O for every row, O
 // the forward's float32 output (in stats; from its bfloat16 output D would be 2^-9 off the
 // dS it goes with, and dK with it, 5x the readable formula's error in a test).
+template <typename T>
 void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
                            const Tensor& k3, const Tensor& v3,
                            const float* stats, Tensor& dq_out, Tensor& dk16, Tensor& dv16,
                            int64_t gi, int64_t first, int64_t stride, Scratch& sc) {
   const int64_t G = p.G, L = p.L, S = p.S, E = p.E, Ev = p.Ev, rows = p.rows;
   const int64_t rows_s = (rows + 15) / 16 * 16, blocks = (L + rows - 1) / rows;
-  const bf16* q = q3.data_ptr<bf16>() + gi * q3.stride(0);
-  const bf16* dout = do3.data_ptr<bf16>() + gi * do3.stride(0);
-  const bf16* k = k3.data_ptr<bf16>() + gi * k3.stride(0);
-  const bf16* v = v3.data_ptr<bf16>() + gi * v3.stride(0);
+  const T* q = q3.data_ptr<T>() + gi * q3.stride(0);
+  const T* dout = do3.data_ptr<T>() + gi * do3.stride(0);
+  const T* k = k3.data_ptr<T>() + gi * k3.stride(0);
+  const T* v = v3.data_ptr<T>() + gi * v3.stride(0);
   const int64_t ldq = q3.stride(1), lddo = do3.stride(1);
   const int64_t ldk = k3.stride(1), ldv = v3.stride(1);
-  const bool dq_whole = dq_out.scalar_type() == at::kBFloat16;  // (else this part's, float32)
-  bf16* dk_out = dk16.data_ptr<bf16>() + gi * dk16.stride(0);
-  bf16* dv_out = dv16.data_ptr<bf16>() + gi * dv16.stride(0);
+  const bool dq_whole = dq_out.scalar_type() != at::kFloat;  // (else this part's, or float32's)
+  T* dk_out = dk16.data_ptr<T>() + gi * dk16.stride(0);
+  T* dv_out = dv16.data_ptr<T>() + gi * dv16.stride(0);
   const int64_t chunk = std::min(kKeyChunk, S), ldc = even(chunk);
   const size_t cells = ldc * rows_s;
   float* st = static_cast<float*>(sc.s.get(cells * sizeof(float)));   // St, then P^T
   float* dpt = static_cast<float*>(sc.dp.get(cells * sizeof(float)));  // dP^T
-  bf16* wb = static_cast<bf16*>(sc.pm.get(cells * sizeof(bf16)));  // W'^T
-  bf16* dsb = static_cast<bf16*>(sc.w.get(cells * sizeof(bf16)));  // s dS^T
-  bf16* kt = static_cast<bf16*>(sc.kvt.get(E * ldc * sizeof(bf16)));  // K^T of the chunk
+  T* wb = static_cast<T*>(sc.pm.get(cells * sizeof(T)));  // W'^T
+  T* dsb = static_cast<T*>(sc.w.get(cells * sizeof(T)));  // s dS^T
+  T* kt = static_cast<T*>(sc.kvt.get(E * ldc * sizeof(T)));  // K^T of the chunk
   float* dk = static_cast<float*>(sc.q.get(chunk * E * sizeof(float)));  // the chunk's sums
   float* dv = static_cast<float*>(sc.keep.get(chunk * Ev * sizeof(float)));
   // dQ^T of every (head, row block), E x Rs each, summed over the chunks
@@ -600,26 +690,26 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
   float* d = static_cast<float*>(sc.words.get((G * L + 64) * sizeof(float)));  // D per row
   // each (head, row block)'s Q and dO packed once, for every chunk: as B of St and dP^T
   // (Q^T, dO^T) and of dK and dV (Q, dO)
-  const size_t qt_n = Packed::bytes(E, rows) / sizeof(bf16), dot_n = Packed::bytes(Ev, rows) / sizeof(bf16);
-  const size_t q_n = Packed::bytes(rows, E) / sizeof(bf16), do_n = Packed::bytes(rows, Ev) / sizeof(bf16);
+  const size_t qt_n = BOperand<T>::bytes(E, rows) / sizeof(T), dot_n = BOperand<T>::bytes(Ev, rows) / sizeof(T);
+  const size_t q_n = BOperand<T>::bytes(rows, E) / sizeof(T), do_n = BOperand<T>::bytes(rows, Ev) / sizeof(T);
   const size_t per_block = qt_n + dot_n + q_n + do_n;
-  bf16* packs = static_cast<bf16*>(sc.qt_p.get(G * blocks * per_block * sizeof(bf16)));
+  T* packs = static_cast<T*>(sc.qt_p.get(G * blocks * per_block * sizeof(T)));
   for (int64_t g = 0; g < G; ++g)
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t r0 = blk * rows, R = std::min(L, r0 + rows) - r0;
-      bf16* at = packs + (g * blocks + blk) * per_block;
-      const bf16* qb = q + (g * L + r0) * ldq;
-      const bf16* dob = dout + (g * L + r0) * lddo;
+      T* at = packs + (g * blocks + blk) * per_block;
+      const T* qb = q + (g * L + r0) * ldq;
+      const T* dob = dout + (g * L + r0) * lddo;
       pack_transposed(qb, R, E, ldq, at);
       pack_transposed(dob, R, Ev, lddo, at + qt_n);
       pack_rows(qb, R, E, ldq, at + qt_n + dot_n);
       pack_rows(dob, R, Ev, lddo, at + qt_n + dot_n + q_n);
     }
-  bf16* ds_p = static_cast<bf16*>(sc.pt_p.get(Packed::bytes(ldc, kCols)));
+  T* ds_p = kPairs<T> ? static_cast<T*>(sc.pt_p.get(Packed::bytes(ldc, kCols))) : dsb;
   void* draws = sc.t.get(Draws::bytes(rows_s));
   uint32_t* pair_words = static_cast<uint32_t*>(sc.dsm.get(ldc / 2 * E * sizeof(uint32_t)));
   for (int64_t r = 0; r < G * L; ++r) {  // D = dO . O (O from the forward's float32 weights)
-    const bf16* a = dout + r * lddo;
+    const T* a = dout + r * lddo;
     const float* b = stats + ((gi * G) * L + r) * p.sw + 2;
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -639,9 +729,9 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
       for (int64_t g = 0; g < G; ++g) {
         Block b{N, R, (R + 15) / 16 * 16, gi, g, r0, (gi * G + g) * L + r0};
         b.k0 = k0;
-        bf16* at = packs + (g * blocks + blk) * per_block;
-        const Packed qt{at, E, R}, dot{at + qt_n, Ev, R};
-        const Packed qr{at + qt_n + dot_n, R, E}, dor{at + qt_n + dot_n + q_n, R, Ev};
+        T* at = packs + (g * blocks + blk) * per_block;
+        const auto qt = operand(at, E, R), dot = operand(at + qt_n, Ev, R);
+        const auto qr = operand(at + qt_n + dot_n, R, E), dor = operand(at + qt_n + dot_n + q_n, R, Ev);
         gemm(N, R, E, k + k0 * ldk, ldk, qt, st, b.Rs, false);     // St = K Q^T
         gemm(N, R, Ev, v + k0 * ldv, ldv, dot, dpt, b.Rs, false);  // dP^T = V dO^T
         if (R < b.Rs) {  // (the lanes past R: numbers, never read out)
@@ -652,20 +742,22 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
         }
         const float unit = scores_cols(p, st, b);
         for_vectors(b.nv(), [&](auto nv) {
-          grads_cols<decltype(nv)::value>(p, st, dpt, b, unit, stats, d + g * L + r0, draws, wb,
-                                          dsb, ds_p);
+          grads_cols<T, decltype(nv)::value>(p, st, dpt, b, unit, stats, d + g * L + r0, draws,
+                                             wb, dsb, ds_p);
         });
         gemm(N, Ev, R, wb, b.Rs, dor, dv, Ev, true);  // dV += W'^T dO
         gemm(N, E, R, dsb, b.Rs, qr, dk, E, true);  // dK += s dS^T Q
-        {
+        float* acc = dqt + (g * blocks + blk) * E * rows_s;  // dQ^T += K^T s dS^T
+        if constexpr (kPairs<T>) {
           HiddenColumn hidden(kt, E, ldc, N, nk);
-          float* acc = dqt + (g * blocks + blk) * E * rows_s;
-          gemm(E, R, N, kt, ldc, Packed{ds_p, N, R}, acc, rows_s, true);  // dQ^T += K^T s dS^T
+          gemm(E, R, N, kt, ldc, Packed{ds_p, N, R}, acc, rows_s, true);
+        } else {
+          gemm(E, R, N, kt, ldc, Rows{dsb, N, R, b.Rs}, acc, rows_s, true);
         }
       }
     }
-    store_bf16(dk, dk_out + k0 * E, nk * E);
-    store_bf16(dv, dv_out + k0 * Ev, nk * Ev);
+    store_row(dk, dk_out + k0 * E, nk * E);
+    store_row(dv, dv_out + k0 * Ev, nk * Ev);
   }
   float* rows_f = static_cast<float*>(sc.pf.get(rows * E * sizeof(float)));
   for (int64_t g = 0; g < G; ++g)
@@ -675,7 +767,7 @@ void backward_group_brgemm(const Params& p, const Tensor& do3, const Tensor& q3,
       const int64_t at = gi * dq_out.stride(0) + (g * L + r0) * E;
       if (dq_whole) {
         transpose(acc, E, R, rows_s, rows_f, E);
-        store_bf16(rows_f, dq_out.data_ptr<bf16>() + at, R * E);
+        store_row(rows_f, dq_out.data_ptr<T>() + at, R * E);
       } else {
         transpose(acc, E, R, rows_s, dq_out.data_ptr<float>() + at, E);
       }

@@ -78,15 +78,20 @@ def module():
     return _state.get("module")
 
 
-def brgemm() -> bool:
-    """Whether the C++ kernel's bfloat16 products may go through oneDNN's brgemm here (the
-    build has it and oneDNN packs for this CPU: AMX or AVX512-BF16); else they are at::bmm."""
+def brgemm(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the C++ kernel's products of ``dtype`` (bfloat16 or float32) may go through
+    oneDNN's brgemm here: the build has it, and for bfloat16 oneDNN packs for this CPU (AMX or
+    AVX512-BF16), for float32 its float32 brgemm runs; else they are at::bmm."""
     mod = module()
     if mod is None:
         return False
-    if "brgemm" not in _state:
-        _state["brgemm"] = bool(mod.brgemm_available())
-    return _state["brgemm"]
+    key = f"brgemm {dtype}"
+    if key not in _state:
+        if dtype == torch.bfloat16:
+            _state[key] = bool(mod.brgemm_available())
+        else:
+            _state[key] = dtype == torch.float32 and bool(mod.brgemm_f32_available())
+    return _state[key]
 
 
 def unavailable() -> str | None:
