@@ -316,9 +316,9 @@ def bench_flash(rounds: int, quick: bool) -> None:
     shapes = SDPA_SHAPES[1:2] if quick else SDPA_SHAPES
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for shape in shapes:
-            if dtype != torch.float32:  # what the dispatch picks for 16-bit training, and why
+            if choice.chooses(dtype):  # what the dispatch picks for training, and why
                 E, L = shape[3], shape[2]
-                pick = choice.training_16bit(dtype, E, E, L, L)
+                pick = choice.training(dtype, E, E, L, L)
                 print(f"dispatch for {dtype} training at L={L}: "
                       f"{'cpu_flash' if pick.blocked else 'torch'} ({pick.why})")  # fmt: skip
             q, k, v = sdpa_inputs(shape, dtype)

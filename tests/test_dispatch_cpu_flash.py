@@ -1,5 +1,5 @@
-"""The dispatch sends dropout, and 16-bit training where it is faster, to attnlab's blocked
-kernel on CPU (issue 10)."""
+"""The dispatch sends dropout, and training where it is faster (16-bit; float32 where the
+kernel's float32 products go through brgemm), to attnlab's blocked kernel on CPU (issue 10)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 import attnlab.functional as AF
 from attnlab.functional import sdpa
-from attnlab.kernels import choice, cpu_flash
+from attnlab.kernels import choice, cpu_flash, cpu_flash_native
 from conftest import Graphs
 
 
@@ -37,7 +37,9 @@ def test_16_bit_training_takes_the_kernel_set_inference_keeps_torchs(dtype, monk
     assert d.path == "cpu_flash" and f"{choice.ENV}=attnlab" in str(d)
     with torch.no_grad():
         assert AF.explain(q, k, v).path == "fused"
-    assert AF.explain(*qkv(torch.float32, grad=True)).path == "fused"  # torch is faster there
+    # float32: chosen only where the kernel's float32 products go through brgemm
+    float32 = "cpu_flash" if cpu_flash_native.brgemm(torch.float32) else "fused"
+    assert AF.explain(*qkv(torch.float32, grad=True)).path == float32
     monkeypatch.setenv(choice.ENV, "torch")
     d = AF.explain(q, k, v, is_causal="bottom_right")
     assert d.path == "fused" and f"{choice.ENV}=torch" in str(d)
@@ -349,3 +351,33 @@ def test_16bit_training_on_torchs_kernel_with_grouped_heads_is_as_accurate_as_na
     dq, dk, dv = (sorted(r)[len(r) // 2] for r in zip(*ratios, strict=True))
     assert dk <= 1.8 and dv <= 1.8, (dq, dk, dv)
     choice._measured.cache_clear()
+
+
+@pytest.mark.parametrize("brgemm", [True, False], ids=["float32-brgemm", "float32-at::bmm"])
+@pytest.mark.parametrize("setting", [None, "measure", "attnlab", "torch"])
+def test_float32_training_takes_the_kernel_only_when_asked(brgemm, setting, monkeypatch):
+    """float32 training keeps torch's kernel, without a measurement (one made in each process
+    could make a resumed run differ from the uninterrupted one in the last bits), unless
+    ATTNLAB_CPU_TRAINING_KERNEL=attnlab asks for the blocked kernel where its float32 products
+    go through brgemm (0.8-0.9x torch's time on an AMX Xeon; its at::bmm blocks are slower)."""
+    if brgemm and not cpu_flash_native.brgemm(torch.float32):
+        pytest.skip("no float32 brgemm here")
+    monkeypatch.setattr(cpu_flash_native, "brgemm", lambda dtype=None: brgemm)
+    if setting is None:
+        monkeypatch.delenv(choice.ENV, raising=False)
+    else:
+        monkeypatch.setenv(choice.ENV, setting)
+    monkeypatch.setattr(choice, "measure", lambda *a: pytest.fail("float32 is never measured"))
+    choice._measured.cache_clear()
+    q, k, v = qkv(torch.float32, grad=True)
+    d = AF.explain(q, k, v, is_causal="bottom_right")
+    kernel = brgemm and setting == "attnlab"
+    assert d.path == ("cpu_flash" if kernel else "fused"), d
+    assert (f"{choice.ENV}=attnlab" in str(d)) == kernel
+    out = AF.scaled_dot_product_attention(q, k, v, is_causal="bottom_right")
+    got = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    ref = sdpa._eager(q, k, v, None, "bottom_right", 16**-0.5, 0.0)[0]
+    want = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -18,9 +18,10 @@
 * **cpu_flash** -- attnlab's blocked CPU kernel (:mod:`attnlab.kernels.cpu_flash`), where
   torch's CPU kernel falls short: dropout (torch's has none and falls back to its math path)
   and 16-bit training where the blocked kernel is faster on this CPU (measured once per
-  process: :mod:`attnlab.kernels.choice`). Inside a ``torch.compile`` graph it serves too, as
-  the operator ``attnlab::cpu_flash`` (the 16-bit choice made when the graph is traced, from
-  fixed sizes); a ``torch.export`` keeps torch's ops.
+  process: :mod:`attnlab.kernels.choice`; float32 training when
+  ``ATTNLAB_CPU_TRAINING_KERNEL=attnlab`` asks for it). Inside a ``torch.compile`` graph it
+  serves too, as the operator ``attnlab::cpu_flash`` (the choice made when the graph is traced,
+  from fixed sizes); a ``torch.export`` keeps torch's ops.
 * **eager** -- the readable formula ``masked_softmax(Q K^T * scale) V``: weights with dropout,
   16-bit weights that need gradients, and what the blocked kernel does not take.
 
@@ -109,10 +110,10 @@ def _exporting() -> bool:
 
 
 def _blocked_in_graph(dtype: torch.dtype, E: int, Ev: int, n: int) -> bool:
-    """:func:`attnlab.kernels.training_16bit`'s verdict for length class ``n``, computed when
+    """:func:`attnlab.kernels.training`'s verdict for length class ``n``, computed when
     torch.compile traces the call (the probe runs then, outside the graph) and kept in the graph
     as a constant."""
-    return kernels.training_16bit(dtype, E, Ev, n, n).blocked
+    return kernels.training(dtype, E, Ev, n, n).blocked
 
 
 # torch.compiler.assume_constant_result(_blocked_in_graph), without importing torch._dynamo
@@ -122,6 +123,11 @@ _blocked_in_graph._dynamo_marked_constant = True
 
 def _trains_16bit(query, key, value) -> bool:
     return query.dtype in LOW_PRECISION and _needs_grad(query, key, value)
+
+
+def _trains_chosen(query, key, value) -> bool:
+    """Training whose CPU kernel the dispatch chooses (:func:`attnlab.kernels.choice.chooses`)."""
+    return _needs_grad(query, key, value) and kernels.choice.chooses(query.dtype)
 
 
 def _choose(
@@ -152,7 +158,7 @@ def _choose(
             "eager", ("return_weights with dropout -- the weights must be the dropped ones",)
         )
     transforms = _transforms.active()  # torch.func's: attnlab's own kernels stand aside
-    kernel = dropout_p > 0 or query.is_cpu and _trains_16bit(query, key, value)  # (cpu_flash)
+    kernel = dropout_p > 0 or query.is_cpu and _trains_chosen(query, key, value)  # (cpu_flash)
     if _transforms.readable_only(transforms) or (
         transforms
         and (return_weights or kernel and transforms != {"grad"})  # (cpu_flash takes one grad)
@@ -235,16 +241,17 @@ def _choose(
                 f"S){backward}",
             ),
         )
-    measured = None  # why torch's kernel trains this 16-bit call, when measured faster
-    if query.is_cpu and (dropout_p > 0 or _trains_16bit(query, key, value)):
-        # Measured in benchmarks/bench_core.py (--only flash): the blocked kernel (C++) runs
-        # dropout at 0.24-0.31x torch's time in float32 (0.14-0.16x in bfloat16) and 1/6 its
-        # memory; torch stays faster in float32 without dropout (kernel 1.1-1.2x), so it keeps
-        # those. Which trains 16-bit attention faster
-        # depends on the CPU: measured once per process (attnlab.kernels.choice). A compiled
-        # graph holds the kernel as an operator (attnlab::cpu_flash); the 16-bit choice is
-        # made when the graph is traced (from fixed sizes). An exported program keeps torch's
-        # ops (it must load without attnlab).
+    measured = None  # why torch's kernel trains this call, when measured faster
+    if query.is_cpu and (dropout_p > 0 or _trains_chosen(query, key, value)):
+        # Measured in benchmarks/bench_core.py (--only flash), on an AMX Xeon: the blocked
+        # kernel (C++) runs dropout at 0.16-0.22x torch's time in float32 (0.07-0.10x in
+        # bfloat16) and 1/6 its memory. Which trains 16-bit attention faster depends on the
+        # CPU: measured once per process (attnlab.kernels.choice). float32 training keeps
+        # torch's kernel unless ATTNLAB_CPU_TRAINING_KERNEL=attnlab (a choice measured per
+        # process would let a resumed float32 run differ in the last bits). A compiled
+        # graph holds the kernel as an operator (attnlab::cpu_flash); the choice is made when
+        # the graph is traced (from fixed sizes). An exported program keeps torch's ops (it
+        # must load without attnlab).
         unfit = kernels.supports(query, key, value, attn_mask, dropout_p)
         if _exporting():
             unfit = "under torch.export (an exported program keeps torch's ops)"
@@ -265,9 +272,9 @@ def _choose(
             n = kernels.choice.length_class(L, S)
             # (operator.index, not int(): dynamo makes a symbolic size a number with it)
             if _blocked_in_graph(query.dtype, operator.index(E), operator.index(Ev), n):
-                return Dispatch("cpu_flash", ("16-bit training, chosen when traced",))
+                return Dispatch("cpu_flash", ("training, chosen when traced",))
         elif unfit is None:
-            choice = kernels.training_16bit(query.dtype, *sizes)
+            choice = kernels.training(query.dtype, *sizes)
             said = f"{query.dtype} with autograd on CPU: the faster kernel here ({choice.why})"
             if choice.blocked:
                 tiling = (kernels.describe(query, key, value, alignment),) if why else ()
@@ -455,11 +462,11 @@ def _plain_fused(query, key, value, is_causal, scale) -> torch.Tensor | None:
     shapes, measured with ``benchmarks/bench_core.py --only overhead``). Served: 4-D inputs that
     :func:`check_qkv` accepts, on the CPU or one CUDA device, none empty; ``is_causal`` False,
     or True with L == S; ``scale`` None or a positive float; outside ``torch.autocast``, traced
-    graphs, ``torch.func`` transforms and DEBUG logging of ``attnlab.dispatch``; not 16-bit
-    training on the CPU (whose kernel is chosen by measurement). Any other call returns None and
-    takes the general route, whose checks raise and whose dispatch logs, with the same result:
-    the same torch call and the same NaN rule (tests/test_dropout_and_dispatch.py compares the
-    two)."""
+    graphs, ``torch.func`` transforms and DEBUG logging of ``attnlab.dispatch``; not training
+    on the CPU whose kernel is chosen by measurement (:func:`_trains_chosen`). Any other call
+    returns None and takes the general route, whose checks raise and whose dispatch logs, with
+    the same result: the same torch call and the same NaN rule
+    (tests/test_dropout_and_dispatch.py compares the two)."""
     if _any_autocast is None or _any_autocast() or torch.compiler.is_compiling():
         return None
     if _transforms.active():  # (torch.func: see _choose)
@@ -477,7 +484,7 @@ def _plain_fused(query, key, value, is_causal, scale) -> torch.Tensor | None:
         return None
     if scale is not None and not (scale.__class__ is float and 0.0 < scale < inf):
         return None  # (a scale <= 0 makes causal a mask; check_scale refuses the rest)
-    if query.is_cpu and _trains_16bit(query, key, value):
+    if query.is_cpu and _trains_chosen(query, key, value):
         return None
     if logger.isEnabledFor(logging.DEBUG):
         return None

@@ -6,9 +6,10 @@
   torch ops: ``flash_attention(q, k, v, mask, alignment,
   scale, dropout_p, generator=None)``, ``supports(q, k, v, mask, dropout_p)`` (None, or why
   not) and ``describe(q, k, v, alignment)`` (the tiling in one line, for ``explain()``).
-  :mod:`attnlab.kernels.choice` -- ``training_16bit(dtype, E, Ev, L, S)``: whether it or
-  torch's kernel trains 16-bit attention faster on this CPU at this length (measured once per
-  process and length class, or set by ``ATTNLAB_CPU_TRAINING_KERNEL``).
+  :mod:`attnlab.kernels.choice` -- ``training(dtype, E, Ev, L, S)``: whether it or torch's
+  kernel trains attention faster on this CPU at this length (16-bit: measured once per process
+  and length class, or set by ``ATTNLAB_CPU_TRAINING_KERNEL``, which also sends float32 there:
+  ``chooses(dtype)``).
 
 * Triton kernels (GPU; on CPU tensors through Triton's interpreter under ``TRITON_INTERPRET=1``,
   see :mod:`attnlab.kernels._triton`), imported only when they run:
@@ -22,7 +23,7 @@ The kernels depend on nothing above them (no ``attnlab.functional`` import): the
 :mod:`attnlab.functional.sdpa` checks inputs and applies the NaN policy around them.
 """
 
-from attnlab.kernels.choice import training_16bit
+from attnlab.kernels.choice import training
 from attnlab.kernels.cpu_flash import describe, flash_attention, supports
 
-__all__ = ["describe", "flash_attention", "supports", "training_16bit"]
+__all__ = ["describe", "flash_attention", "supports", "training"]

@@ -1,4 +1,12 @@
-"""Which kernel trains 16-bit attention faster on this CPU: torch's or attnlab's blocked one.
+"""Which kernel trains attention faster on this CPU: torch's or attnlab's blocked one.
+
+The dispatch chooses for 16-bit training (:func:`chooses`). float32 training stays on torch's
+kernel unless ``ATTNLAB_CPU_TRAINING_KERNEL=attnlab`` asks for the blocked one where its float32
+products go through oneDNN's brgemm (on a Xeon with AMX: 0.79-0.87x torch's float32
+forward+backward time at (4, 8, 1024, 64); its at::bmm blocks, which serve float32 elsewhere,
+take 1.1-1.2x). float32 is not measured: a choice made afresh in each process could make two
+processes of one float32 training run (one resumed after a crash) differ in the last bits, and
+resuming must repeat the uninterrupted run bit for bit (tests/test_faults.py).
 
 The answer depends on the CPU and on the sequence length. The blocked kernel's forward+backward
 time over torch's (``python -c`` over :func:`measure`, 1 thread), on an AMD Zen 4 (AVX512-BF16):
@@ -22,11 +30,11 @@ that spreads heads over threads looked slower than it is on real shapes), round-
 faster serves every later call of the class. The probe draws from its own generator (the global
 RNG is left as it was) and takes ~0.2-1 s once.
 
-``ATTNLAB_CPU_TRAINING_KERNEL`` decides instead of measuring: ``attnlab`` (the blocked kernel),
-``torch`` (torch's fused kernel) or ``measure`` (the default). Both kernels compute the same
-function; only the rounding of 16-bit results differs between them. So where the two are close
-(x0.9-1.1) two processes may choose differently: a run that must repeat bit for bit in another
-process sets the variable.
+``ATTNLAB_CPU_TRAINING_KERNEL`` decides instead of measuring: ``attnlab`` (the blocked kernel;
+for float32 too, as above), ``torch`` (torch's fused kernel) or ``measure`` (the default). Both
+kernels compute the same function; only the rounding of results differs between them. So where
+the two are close (x0.9-1.1) two processes may choose differently: a 16-bit run that must repeat
+bit for bit in another process sets the variable.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from attnlab.kernels import cpu_flash_native
 from attnlab.kernels.cpu_flash import flash_attention
 
 ENV = "ATTNLAB_CPU_TRAINING_KERNEL"
@@ -80,9 +89,28 @@ def env_setting(name: str, settings: tuple[str, ...]) -> str:
     return setting
 
 
-def training_16bit(dtype: torch.dtype, E: int, Ev: int, L: int, S: int) -> Choice:
-    """The kernel for 16-bit attention with autograd on CPU (no dropout): set, or measured once
-    per length class."""
+def chooses(dtype: torch.dtype) -> bool:
+    """Whether the dispatch chooses the kernel for CPU training in ``dtype`` (:func:`training`):
+    float16 and bfloat16 always; float32 where ``ATTNLAB_CPU_TRAINING_KERNEL=attnlab`` and the
+    blocked kernel's float32 products go through brgemm (this builds the C++ kernel if need
+    be); else torch's kernel trains."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return True
+    return (
+        dtype == torch.float32
+        and env_setting(ENV, SETTINGS) == "attnlab"
+        and cpu_flash_native.brgemm(torch.float32)
+    )
+
+
+# torch.compiler.assume_constant_result(chooses), without importing torch._dynamo: run when a
+# graph is traced (it may build the C++ kernel), its answer a constant of the graph
+chooses._dynamo_marked_constant = True
+
+
+def training(dtype: torch.dtype, E: int, Ev: int, L: int, S: int) -> Choice:
+    """The kernel for attention with autograd on CPU (no dropout) in a dtype the dispatch
+    :func:`chooses` for: set, or measured once per length class."""
     setting = env_setting(ENV, SETTINGS)
     if setting != "measure":
         return Choice(setting == "attnlab", f"{ENV}={setting}")
