@@ -149,16 +149,17 @@ def describe(q, k, v, alignment) -> str:
             threads = "1 (a forked child: OpenMP's threads do not survive fork)"
         rows, groups = plan.native_args()[4:6]
         saves = "log-sum-exp"
-        if plan.brgemm():
-            products += " (oneDNN brgemm: float32 scores and sums, the backward in key chunks)"
+        blocks = f"{plan.G}*{rows} query rows of {groups} kv head(s) x every visible key"
+        if plan.brgemm():  # (a head's rows per block; the backward's keys in chunks)
+            blocks = f"{rows} query rows of one head x every visible key (backward: 512 keys)"
+            products += " (oneDNN brgemm: float32 scores and sums)"
             saves += " (and, for a backward, float32 output)"
         elif plan.mm_dtype == torch.bfloat16:
             why = "odd head dims" if plan.E % 2 or plan.Ev % 2 else "no brgemm for this CPU"
             products += f" (at::bmm; {why})"
         return (
-            f"blocked CPU kernel (C++, cpu_flash.cpp): {plan.G}*{rows} query rows of "
-            f"{groups} kv head(s) x every visible key per block, {products} products, "
-            f"{threads} thread(s); saves the row {saves}, not the weights"
+            f"blocked CPU kernel (C++, cpu_flash.cpp): {blocks} per block, {products} "
+            f"products, {threads} thread(s); saves the row {saves}, not the weights"
         )
     if plan.mm_dtype == torch.float64:
         why = "float64"
