@@ -564,14 +564,13 @@ std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
     Tensor stats = at::empty({p.B, p.Hkv, p.G, p.L, p.sw}, q5.options().dtype(at::kFloat));
     float* st = stats.data_ptr<float>();
     const int64_t parts = parts_for(p, groups, threads);
-    run_tasks(groups * parts, threads, [&](int64_t task, Scratch& sc) {
-      if (q5.scalar_type() == at::kFloat) {
-        forward_group_brgemm<float>(p, q3, k3, v3, out3, st, task / parts, task % parts, parts, sc);
-        cb::brgemm_release(false);
-      } else {
-        forward_group_brgemm<bf16>(p, q3, k3, v3, out3, st, task / parts, task % parts, parts, sc);
-        cb::brgemm_release();
-      }
+    for_products(q5.scalar_type(), [&](auto zero) {
+      using mm_t = decltype(zero);
+      run_tasks(groups * parts, threads, [&](int64_t task, Scratch& sc) {
+        forward_group_brgemm<mm_t>(p, q3, k3, v3, out3, st, task / parts, task % parts, parts,
+                                   sc);
+        cb::brgemm_release(kPairs<mm_t>);
+      });
     });
     return {out3.view({p.B, p.Hkv, p.G, p.L, p.Ev}), stats};
   }
@@ -622,18 +621,15 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
                                 : at::empty({1, groups, p.G * p.L, p.E}, q5.options());
     Tensor dk16 = at::empty({groups, p.S, p.E}, q5.options());
     Tensor dv16 = at::empty({groups, p.S, p.Ev}, q5.options());
-    run_tasks(groups * parts, threads, [&](int64_t task, Scratch& sc) {
-      const int64_t part = task % parts;
-      Tensor dq_t = dq_parts.select(0, part);
-      if (q5.scalar_type() == at::kFloat) {
-        backward_group_brgemm<float>(p, do3, q3, k3, v3, st, dq_t, dk16, dv16, task / parts, part,
-                                     parts, sc);
-        cb::brgemm_release(false);
-      } else {
-        backward_group_brgemm<bf16>(p, do3, q3, k3, v3, st, dq_t, dk16, dv16, task / parts, part,
+    for_products(q5.scalar_type(), [&](auto zero) {
+      using mm_t = decltype(zero);
+      run_tasks(groups * parts, threads, [&](int64_t task, Scratch& sc) {
+        const int64_t part = task % parts;
+        Tensor dq_t = dq_parts.select(0, part);
+        backward_group_brgemm<mm_t>(p, do3, q3, k3, v3, st, dq_t, dk16, dv16, task / parts, part,
                                     parts, sc);
-        cb::brgemm_release();
-      }
+        cb::brgemm_release(kPairs<mm_t>);
+      });
     });
     Tensor dq3 = parts > 1 ? dq_parts.sum(0).to(q5.scalar_type()) : dq_parts.select(0, 0);
     return {dq3.view({p.B, p.Hkv, p.G, p.L, p.E}), dk16.view({p.B, p.Hkv, p.S, p.E}),

@@ -604,7 +604,8 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
   transpose_pairs(v, S, Ev, ldv, vt, ld, static_cast<uint32_t*>(sc.dp.get(ld / 2 * Ev * 4)));
   float* st = static_cast<float*>(sc.s.get(ld * rows_s * sizeof(float)));
   void* qt_p = sc.qt_p.get(BOperand<T>::bytes(E, rows));
-  void* pt_p = sc.pt_p.get(BOperand<T>::bytes(ld, rows));
+  // (16-bit products: P packed in row pairs; float32 products read St itself)
+  void* pt_p = kPairs<T> ? sc.pt_p.get(Packed::bytes(ld, rows)) : nullptr;
   const bool exact = p.sw > 2;  // (for a backward: each row's float32 output in stats)
   float* ot = static_cast<float*>(sc.o.get(Ev * rows * sizeof(float)));
   float* o = static_cast<float*>(sc.pf.get(rows * Ev * sizeof(float)));
