@@ -244,6 +244,13 @@ class Cache:
         layer = self._layer(layer_idx)
         return layer.view[3] if layer.padded else None
 
+    def filled_prefix(self, layer_idx: int) -> int | None:
+        """n where the last update's slots 0..n-1 hold positions 0..n-1, in order, and every
+        later slot is empty, so attention may read those n slots alone (bottom-right aligned,
+        no mask for the empty ones); None where that does not hold. In-order caches return
+        exactly those slots: n is all of them."""
+        return self._layer(layer_idx).view[0].shape[2] if self.in_order else None
+
     def kv_finite(self, layer_idx: int) -> torch.Tensor:
         """(B, Hkv) bool: True where none of the last update's slots (masked or empty ones
         included) holds a NaN or inf in its key or value. Each slot is checked once, when
@@ -474,8 +481,9 @@ class StaticCache(Cache):
     """A preallocated cache of ``max_length`` slots per layer: shapes never change.
 
     ``update`` returns all ``max_length`` slots; the unfilled ones have position -1 and are
-    masked by the layer. Storage is allocated at the first update of each layer, from the
-    key's batch size, heads, width, dtype and device.
+    masked by the layer (or, eagerly, left out: slots fill in order from 0, so the layer reads
+    the first :meth:`filled_prefix` alone). Storage is allocated at the first update of each
+    layer, from the key's batch size, heads, width, dtype and device.
 
     Raises on update past ``max_length`` (with the fix: a larger cache).
     """
@@ -500,6 +508,13 @@ class StaticCache(Cache):
             )
         layer.write(slice(start, end), key, value, padding, start)
         return layer.storage()
+
+    def filled_prefix(self, layer_idx: int) -> int | None:
+        """Slots are written in order from 0 (slot = position): the first ``length`` are filled.
+        None while traced: a compiled graph keeps the fixed shape that is this cache's point."""
+        if torch.compiler.is_compiling():
+            return None
+        return self._layer(layer_idx).length
 
 
 # owner (a model) -> the StaticCache it decoded with last (kept_static_cache). Weak: the cache

@@ -267,7 +267,10 @@ class MultiHeadAttention(nn.Module):
         allowed = None  # what the cache or the window allows
         kv_finite = None  # (B, Hkv): the cache checked each slot for NaN/inf when writing it
         if cache is not None:
-            k, v, allowed, causal = self._from_cache(cache, k, v, key_mask, causal, q_pos)
+            every_slot = return_weights or mask is not None  # (both are sized to all slots)
+            k, v, allowed, causal = self._from_cache(
+                cache, k, v, key_mask, causal, q_pos, every_slot
+            )
             key_mask = None  # now part of allowed
             kv_finite = cache.kv_finite(self.layer_idx)
         elif self.sliding_window is not None:
@@ -301,9 +304,10 @@ class MultiHeadAttention(nn.Module):
         out = self.out_dropout(self.o_proj(out))  # (B, H, L, E) -> (B, L, H*E) -> (B, L, D)
         return (out, weights) if return_weights else out
 
-    def _from_cache(self, cache, k, v, key_mask, causal, q_pos):
-        """Store the new keys/values (at positions ``q_pos`` (L,)); return all keys, values,
-        the mask and the alignment."""
+    def _from_cache(self, cache, k, v, key_mask, causal, q_pos, every_slot=False):
+        """Store the new keys/values (at positions ``q_pos`` (L,)); return the keys, values,
+        mask and alignment to attend with: all slots when ``every_slot``, else where the cache
+        knows its filled slots (:meth:`Cache.filled_prefix`) those alone."""
         self._check_window(cache)
         if cache.stepping:  # the slot found on the device; counted after the step
             keys, values = cache.write_step(k, v, self.layer_idx, q_pos)
@@ -311,8 +315,16 @@ class MultiHeadAttention(nn.Module):
             keys, values = cache.update(k, v, self.layer_idx, key_mask=key_mask)
         padding = cache.key_mask(self.layer_idx)
         mask = None if padding is None else padding[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
-        if cache.in_order and self.sliding_window is None:
-            # slots 0..S-1 in order: the new queries are the last L -> bottom-right alignment
+        n = None  # attend to slots 0..n-1 alone, bottom-right aligned
+        if self.sliding_window is None and (cache.in_order or not (every_slot or cache.stepping)):
+            n = cache.filled_prefix(self.layer_idx)
+        if n is not None:
+            # slots 0..n-1 hold positions 0..n-1 in order: the new queries are the last L ->
+            # bottom-right alignment, and no mask for empty slots (a static cache's n: an eager
+            # prefill attends to its P keys, not to every slot)
+            if n < keys.shape[2]:
+                keys, values = keys[:, :, :n], values[:, :, :n]
+                mask = None if mask is None else mask[..., :n]
             return keys, values, mask, "bottom_right" if causal else False
         k_pos = cache.key_positions(self.layer_idx)  # (S,), -1 = empty slot
         L = q_pos.shape[0]
