@@ -163,3 +163,24 @@ def test_the_row_check_equals_the_oracle(dtype, shapes):
                 v.float()
             ).flatten(-2).all(-1)
             assert (nonfinite_rows(q, k, v, kv_finite).numpy() == want).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [-1, (-2, -1)])
+def test_max_abs_is_the_inf_norm_nan_and_inf_included(dtype, dim):
+    """max_abs (abs then amax on the CPU, the screen of every cache write) equals the inf-norm
+    it replaces there, NaN where a NaN sits (also beside an inf), inf where an inf does, and
+    the largest finite value of the dtype stays finite (no overflow)."""
+    from attnlab.functional.nonfinite import max_abs
+
+    x = torch.randn(3, 4, 5, 6, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x[0, 1, 2, 3] = nan
+    x[0, 1, 2, 4] = -inf  # the NaN's row holds an inf too
+    x[1, 2, 3, 0] = inf
+    x[2, 0, 1, 5] = -inf
+    x[2, 3, 4, 1] = torch.finfo(dtype).max
+    got = max_abs(x, dim)
+    want = torch.linalg.vector_norm(x.double(), inf, dim=dim).to(dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert got.isnan().sum() == 1 and got.isinf().sum() == 2

@@ -41,6 +41,7 @@ import weakref
 import torch
 
 from attnlab._checks import check_count
+from attnlab.functional.nonfinite import max_abs
 
 __all__ = ["Cache", "DynamicCache", "SlidingWindowCache", "StaticCache"]
 
@@ -57,7 +58,7 @@ def finite_slots(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return key.new_ones(key.shape[:-1], dtype=torch.bool)
     # NaN < inf and inf < inf are False. (Not torch.isfinite: inductor's CPU code for it
     # fails to compile when the result is written through a slice of a fresh tensor.)
-    return torch.linalg.vector_norm(both, float("inf"), dim=-1) < float("inf")
+    return max_abs(both, -1) < float("inf")
 
 
 def write_token(keys, values, finite, slot, key, value) -> None:

@@ -237,12 +237,22 @@ def fill_nan(t: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
 
 
 def _max_abs(x: torch.Tensor, dims: int) -> torch.Tensor:
-    """max |x| over the last ``dims`` dims, kept as size-1 dims (0 where they are empty).
-
-    NaN or inf exactly when x holds one there: the inf-norm propagates NaN and cannot overflow.
-    One pass over x (``abs().amax()`` writes a copy first).
-    """
+    """max |x| over the last ``dims`` dims, kept as size-1 dims (0 where they are empty)."""
     reduced = tuple(range(-dims, 0))
     if any(x.shape[d] == 0 for d in reduced):
         return x.new_zeros(*x.shape[:-dims], *(1,) * dims)
-    return torch.linalg.vector_norm(x, inf, dim=reduced, keepdim=True)
+    return max_abs(x, reduced, keepdim=True)
+
+
+def max_abs(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
+    """max |x| over ``dim`` (non-empty): NaN or inf exactly where x holds one there (the max
+    propagates NaN; |x| cannot overflow).
+
+    On the CPU ``abs()`` then ``amax()``: its inf-norm reduction is 1.5-10x slower there, though
+    one pass (float32, 1 thread: 330 us against 35 at (4, 2, 128, 32) over the last dim; 11 ms
+    against 2 at (1, 8, 2048, 128)). Elsewhere, and compiled, the inf-norm's single pass
+    (``abs().amax()`` writes a copy first, one more kernel on a GPU).
+    """
+    if x.is_cpu and not torch.compiler.is_compiling():
+        return x.abs().amax(dim, keepdim=keepdim)
+    return torch.linalg.vector_norm(x, inf, dim=dim, keepdim=keepdim)
