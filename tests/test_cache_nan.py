@@ -184,3 +184,22 @@ def test_max_abs_is_the_inf_norm_nan_and_inf_included(dtype, dim):
     assert got.dtype == dtype
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert got.isnan().sum() == 1 and got.isinf().sum() == 2
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_static_cache_weights_span_every_slot_nan_rows_whole(average):
+    """Eagerly a static cache's layer reads its filled slots alone; the weights it returns still
+    span every slot: 0 on the empty ones, and a NaN row (a NaN token in batch row 0) NaN over
+    all of them, as when every slot was read under a mask."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 4, num_kv_heads=2, is_causal=True, layer_idx=0).eval()
+    x = torch.randn(2, 5, 16)
+    x[0, 2] = nan
+    cache = StaticCache(12)
+    with torch.no_grad():
+        layer(x, cache=cache)
+        _, w = layer(x[:, :1], cache=cache, return_weights=True, average_weights=average)
+    assert w.shape == ((2, 1, 12) if average else (2, 4, 1, 12))
+    assert w[0].isnan().all()
+    assert not w[1].isnan().any() and w[1][..., 6:].abs().max() == 0
+    torch.testing.assert_close(w[1].sum(-1), torch.ones_like(w[1].sum(-1)))

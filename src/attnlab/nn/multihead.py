@@ -267,7 +267,7 @@ class MultiHeadAttention(nn.Module):
         allowed = None  # what the cache or the window allows
         kv_finite = None  # (B, Hkv): the cache checked each slot for NaN/inf when writing it
         if cache is not None:
-            every_slot = return_weights or mask is not None  # (both are sized to all slots)
+            every_slot = mask is not None  # (a mask of the caller's is sized to every slot)
             k, v, allowed, causal = self._from_cache(
                 cache, k, v, key_mask, causal, q_pos, every_slot
             )
@@ -300,6 +300,8 @@ class MultiHeadAttention(nn.Module):
             kv_finite=kv_finite,
         )
         out, weights = out if return_weights else (out, None)
+        if weights is not None and cache is not None:
+            weights = _every_slot(weights, cache.key_positions(self.layer_idx).shape[0])
         out = out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim)
         out = self.out_dropout(self.o_proj(out))  # (B, H, L, E) -> (B, L, H*E) -> (B, L, D)
         return (out, weights) if return_weights else out
@@ -497,6 +499,17 @@ def _combine(allowed, mask, key_mask, B, S):
             )
         allowed = restrict(allowed, key_mask[:, None, None, :])  # (B, S) -> (B, 1, 1, S)
     return restrict(mask, allowed)
+
+
+def _every_slot(weights: torch.Tensor, slots: int) -> torch.Tensor:
+    """Weights (..., n) over the slots a cache's layer read (its filled prefix) -> (..., slots):
+    the empty slots after them get 0, or NaN in a NaN row (the NaN rule makes a row NaN
+    whole), as a mask over every slot would have given."""
+    n = weights.shape[-1]
+    if n >= slots:
+        return weights
+    rest = (weights[..., :1] * 0).expand(*weights.shape[:-1], slots - n)  # 0; NaN * 0 = NaN
+    return torch.cat([weights, rest], dim=-1)
 
 
 def _check_width(name: str, x: torch.Tensor, width: int, dtype: torch.dtype) -> None:
