@@ -49,29 +49,39 @@ def structure_of(mask, query: torch.Tensor, key: torch.Tensor):
 
 
 # Devices on which torch's SDPA, given the dense (B, 1, 1, S) mask, serves key padding alone
-# (no window, no documents, no weights) rather than the Triton kernels. Measured on an H200
-# (benchmarks/results/h200-2026-11-26, bf16, lengths uniform in [L/2, L], forward and
-# forward+backward, causal and not, at (8,16,1024,64), (4,32,4096,128) and (32,16,128,64)):
-# SDPA took 0.25-1.06x the kernels' time. Skipping a quarter of the key blocks does not make
-# up for torch's faster kernel; windows and packed documents, which skip most blocks, keep the
-# kernels. (Not the interpreter's CPU tensors: the tests exercise the kernels there.)
+# (no window, no documents, no weights) in training, rather than the Triton kernels. Measured
+# as attnlab's fused call (which builds the mask it hands SDPA, and combines it with causality)
+# against the kernels, bf16, lengths uniform in [L/2, L], at (8,16,1024,64), (4,32,4096,128)
+# and (32,16,128,64), causal and not, on an H100 (benchmarks/results/h100-2026-11-28) and an
+# H200 twice (h200-2026-11-26b, h200-2026-11-28):
+# - forward+backward: the fused call took 0.62-1.01x the kernels' time, except causal at
+#   (4,32,4096,128): 1.09-1.59x;
+# - forward alone (no gradient): the fused call took 1.01-1.96x the kernels' time, every case.
+# So the kernels serve padding without gradients, and causal padding from that length.
+# Windows and packed documents, which skip most blocks, always keep the kernels. (Not the
+# interpreter's CPU tensors: the tests exercise the kernels there.)
 SDPA_SERVES_PADDING_ON = ("cuda",)
+KERNELS_TRAIN_CAUSAL_PADDING_FROM = 4096  # query rows
 
 
-def sdpa_serves(q, structure, return_weights) -> str | None:
+def sdpa_serves(q, structure, return_weights, training, alignment) -> str | None:
     """Why torch's SDPA with the materialised mask serves a structured mask here, or None."""
     key_range, band = structure
     if (
         return_weights
+        or not training
         or band is not None
         or key_range is None
         or key_range[0].dim() != 1  # (packed documents: a range per query row)
         or q.device.type not in SDPA_SERVES_PADDING_ON
+        or (alignment is not None and q.shape[-2] >= KERNELS_TRAIN_CAUSAL_PADDING_FROM)
     ):
         return None
     return (
-        "key padding alone: torch's SDPA with the (B, 1, 1, S) mask ran 0.25-1.06x the time of "
-        "attnlab's kernels on an H200, forward and backward (benchmarks/results/)"
+        "key padding alone, in training: attnlab's fused call (torch's SDPA with the (B, 1, 1, "
+        "S) mask) took 0.62-1.01x the time of attnlab's kernels forward and backward on an "
+        f"H100 and an H200, causal below {KERNELS_TRAIN_CAUSAL_PADDING_FROM} query rows "
+        "(benchmarks/results/)"
     )
 
 

@@ -196,9 +196,9 @@ def _choose(
         and not transforms
     ):
         training = _needs_grad(query, key, value, attn_mask)
-        unfit = _triton.sdpa_serves(query, structure, return_weights) or _triton.unfit(
-            query, key, value, attn_mask, dropout_p, training, return_weights
-        )
+        unfit = _triton.sdpa_serves(
+            query, structure, return_weights, training, alignment
+        ) or _triton.unfit(query, key, value, attn_mask, dropout_p, training, return_weights)
         if unfit is None:
             return Dispatch(
                 "triton", (_triton.describe(query, key, return_weights, *structure, training),)
