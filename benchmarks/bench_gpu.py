@@ -281,6 +281,9 @@ def bench_padding(args) -> None:
                     "attnlab's Triton kernels": lambda: step(
                         lambda: _on_kernels(q, k, v, pad, is_causal)
                     ),
+                    "  the same, assume_finite": lambda: step(  # (the NaN rule's share)
+                        lambda: _assuming_finite(lambda: _on_kernels(q, k, v, pad, is_causal))
+                    ),
                     "SDPA, dense (B,1,1,S) mask": lambda: step(
                         lambda: F.scaled_dot_product_attention(q, k, v, dense_mask)
                     ),
