@@ -134,7 +134,7 @@ def test_weights_path_in_many_blocks(mask_kind, causal, average, nbytes, said, m
     mask = make_mask(mask_kind, shape)
     rw = "average" if average else True
     explained = str(AF.explain(q, k, v, mask, return_weights=rw))
-    assert "blocks of 2 batch rows x 4 head(s) x 9 query rows" in explained
+    assert "in one block (the whole (B, H, L, S) scores" in explained
     whole = AF.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, return_weights=rw)
     monkeypatch.setattr(weights_module, "WEIGHTS_BLOCK_BYTES", nbytes)
     assert said in str(AF.explain(q, k, v, mask, return_weights=rw))
@@ -144,6 +144,40 @@ def test_weights_path_in_many_blocks(mask_kind, causal, average, nbytes, said, m
         np64(q), np64(k), np64(v), np64(mask), is_causal=causal, return_weights=rw
     )
     assert_close_to_oracle(rows[1], want[1])
+
+
+@pytest.mark.parametrize("average", [False, True])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "padding"])
+def test_decode_weights_read_each_kv_head_once_for_its_group(mask_kind, average, monkeypatch):
+    """One query row a head against a cache (decoding with weights): the whole call is one
+    block, each kv group's query heads folded into rows of its kv head. Its weights and output
+    equal the block loop's (one head and row a block) and the float64 oracle; a row with no
+    attendable key is 0 (the bool mask kills batch row 0)."""
+    import attnlab.functional._weights as weights_module
+
+    shape = (3, 6, 2, 1, 13, 8, 5)  # B, H, Hkv, L, S, E, Ev: groups of 3
+    q, k, v = make_qkv(shape)
+    mask = make_mask(mask_kind, shape)
+    rw = "average" if average else True
+    assert "3 query heads as rows of its kv head" in str(
+        AF.explain(q, k, v, mask, return_weights=rw)
+    )
+    got = AF.scaled_dot_product_attention(
+        q, k, v, mask, is_causal="bottom_right", return_weights=rw
+    )
+    monkeypatch.setattr(weights_module, "WEIGHTS_BLOCK_BYTES", 1)
+    rows = AF.scaled_dot_product_attention(
+        q, k, v, mask, is_causal="bottom_right", return_weights=rw
+    )
+    for a, b in zip(got, rows, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-15)  # GEMV vs GEMM rounding
+    want = R.scaled_dot_product_attention(
+        np64(q), np64(k), np64(v), np64(mask), is_causal="bottom_right", return_weights=rw
+    )
+    for a, b in zip(got, want, strict=True):
+        assert_close_to_oracle(a, b)
+    if mask_kind == "bool":
+        assert not got[0][0].any() and not (got[1][0, 0] if average else got[1][0]).any()
 
 
 @pytest.mark.parametrize("layout", [2, 3])

@@ -108,14 +108,20 @@ class _Blocks:
     def mask_(self, w, b, hs, rs):
         """The mask and the causal triangle on a block's scores ``w`` (h, r, S), in place."""
         keep = None if self.mask is None else self.mask[b, hs, rs]
-        if keep is not None and keep.dtype != torch.bool:
-            w.add_(keep)  # an additive bias (its -inf entries mask)
-            keep = None
-        if self.causal is not None:
-            keep = self.causal[rs] if keep is None else keep & self.causal[rs]
-        if keep is not None:
-            w.masked_fill_(~keep, -inf)
-        return w
+        return _mask_(w, keep, None if self.causal is None else self.causal[rs])
+
+
+def _mask_(w, keep, causal):
+    """Scores ``w`` masked in place: ``keep`` a bool mask or an additive bias (its -inf entries
+    mask), ``causal`` a bool (r, S) triangle; either may be None; both broadcast to ``w``."""
+    if keep is not None and keep.dtype != torch.bool:
+        w.add_(keep)
+        keep = None
+    if causal is not None:
+        keep = causal if keep is None else keep & causal
+    if keep is not None:
+        w.masked_fill_(~keep, -inf)
+    return w
 
 
 @torch.no_grad()
@@ -132,14 +138,16 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
     out = q.new_empty(B, H, L, Ev)
     if weights is None:  # fresh: huge pages where possible (see _memory)
         weights = _memory.empty(B, 1 if average else H, L, S, like=q)
-    if average:
-        weights.zero_()  # the blocks add into it
     if alignment == "bottom_right" and L == 1:
         alignment = None  # the last position sees every key
+    qs = q * scale
+    if block_shape(H, L, S, q.element_size(), B=B) == (B, H, L):
+        return _one_block(qs, k, v, mask, alignment, average, out, weights, lse)
+    if average:
+        weights.zero_()  # the blocks add into it
     blocks = _Blocks(q, k, mask, alignment, batches=True)
     lead = (B,) if blocks.batches else ()  # a block's leading batch dim, if it has one
     scratch = q.new_empty(*lead, blocks.heads, blocks.rows, S) if average else None
-    qs = q * scale
     for b, hs, rs, kv in blocks:
         h, r = hs.stop - hs.start, rs.stop - rs.start
         w = scratch[..., :h, :r, :] if average else weights[b, hs, rs]  # ([B,] h, r, S)
@@ -151,12 +159,12 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
             q_rows = qs[b, hs].reshape(*lead, n, -1, qs.shape[-1])  # -> ([B,] n, G * L, E)
             torch.matmul(q_rows, kb.transpose(-2, -1), out=_fold(w, n))
             blocks.mask_(w, b, hs, rs)  # (on the ([B,] h, L, S) view)
-            _softmax_(w, blocks.can_die, lse, b, hs, rs)
+            _softmax_(w, blocks.can_die, None if lse is None else lse[b, hs, rs])
             torch.matmul(_fold(w, n), vb, out=_fold(out[b, hs], n))
         else:
             kb, vb = k[b, kv], v[b, kv]  # ([B,] h, S, E), ([B,] h, S, Ev)
             blocks.scores_(w, qs[b, hs, rs], kb, b, hs, rs)
-            _softmax_(w, blocks.can_die, lse, b, hs, rs)
+            _softmax_(w, blocks.can_die, None if lse is None else lse[b, hs, rs])
             torch.matmul(w, vb, out=out[b, hs, rs])  # ([B,] h, r, S) @ ([B,] h, S, Ev)
         if average:
             weights[b, 0, rs].add_(w.sum(-3), alpha=1.0 / H)
@@ -169,8 +177,27 @@ def _fold(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.view(*t.shape[:-3], n, -1, t.shape[-1])
 
 
-def _softmax_(w, can_die, lse, b, hs, rs):
-    """Softmax of a block's scores in place; dead rows 0; the row log-sum-exp into ``lse``."""
+def _one_block(qs, k, v, mask, alignment, average, out, weights, lse):
+    """:func:`weights_in_blocks` when all the scores make one block (decoding: B x (H, 1, S)):
+    each kv group's query heads as rows of its kv head, ``(B, H, L, *) -> (B, Hkv, G * L, *)``
+    views, so that K and V are read once per kv head and a call is six operators, not the
+    block loop's machinery (a decode step calls it once per layer)."""
+    B, H, L, E = qs.shape
+    Hkv = k.shape[1]
+    w = qs.new_empty(B, H, L, k.shape[2]) if average else weights
+    torch.matmul(qs.reshape(B, Hkv, -1, E), k.transpose(-2, -1), out=_fold(w, Hkv))
+    causal = None if alignment is None else causal_keep(L, k.shape[2], alignment, qs.device)
+    _mask_(w, mask, causal)  # (on the (B, H, L, S) view, where the mask broadcasts)
+    _softmax_(w, mask is not None or causal is not None, lse)
+    torch.matmul(_fold(w, Hkv), v, out=_fold(out, Hkv))
+    if average:  # (as the block loop sums them: 0 + sum / H)
+        torch.sum(w, 1, keepdim=True, out=weights).mul_(1.0 / H)
+    return out, weights
+
+
+def _softmax_(w, can_die, lse):
+    """Softmax of a block's scores in place; dead rows 0; the row log-sum-exp into ``lse``
+    (the block's rows of it, a view), if given."""
     top = w.amax(-1, keepdim=True) if can_die or lse is not None else None
     dead = top == -inf if can_die else None  # (h, r, 1); a NaN row is not dead
     torch.softmax(w, -1, out=w)
@@ -180,7 +207,7 @@ def _softmax_(w, can_die, lse, b, hs, rs):
         row_lse = top.to(lse.dtype) - w.amax(-1, keepdim=True).to(lse.dtype).log()
         if dead is not None:
             row_lse.masked_fill_(dead, -inf)
-        lse[b, hs, rs] = row_lse[..., 0]
+        lse.copy_(row_lse[..., 0])
     if dead is not None:
         w.masked_fill_(dead, 0.0)  # rows with no attendable key: weights 0
 

@@ -97,6 +97,7 @@ class Dispatch:
 
 
 _FUSED = Dispatch("fused", ("torch F.scaled_dot_product_attention",))
+_WEIGHTS = Dispatch("weights", ("weights on demand, in blocks",))  # (the hot path's: no reasons)
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -216,6 +217,8 @@ def _choose(
                 scale=scale,
             )
             return Dispatch(chosen.path, (*chosen.reasons, f"not the Triton kernels: {unfit}"))
+    if return_weights and not why:
+        return _WEIGHTS
     if return_weights:
         H, Hkv = query.shape[1], key.shape[1]
         batches, heads, rows = block_shape(
@@ -232,15 +235,21 @@ def _choose(
         elif grad:
             backward = "; with autograd: the backward reads the returned weights, block by block"
 
-        return Dispatch(
-            "weights",
-            (
+        B, L = query.shape[0], query.shape[2]
+        if (batches, heads, rows) == (B, H, L):
+            group = f", each kv group's {H // Hkv} query heads as rows of its kv head"
+            said = (
+                f"weights ({what}) and output computed together in one block (the whole "
+                f"(B, H, L, S) scores{group if Hkv != H else ''}), written in place{backward}"
+            )
+        else:
+            said = (
                 f"weights ({what}) and output computed together in blocks of "
                 f"{f'{batches} batch rows x ' if batches > 1 else ''}{heads} head(s) x "
                 f"{rows} query rows, written in place: extra memory one block, not (B, H, L, "
-                f"S){backward}",
-            ),
-        )
+                f"S){backward}"
+            )
+        return Dispatch("weights", (said,))
     measured = None  # why torch's kernel trains this call, when measured faster
     if query.is_cpu and (dropout_p > 0 or _trains_chosen(query, key, value)):
         # Measured in benchmarks/bench_core.py (--only flash), on an AMX Xeon: the blocked
