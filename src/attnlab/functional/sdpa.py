@@ -300,12 +300,7 @@ def _choose(
             f"grouped-query heads H={H}, Hkv={Hkv}: kv heads repeated (torch's CPU backward with "
             "enable_gqa sums a group's dK, dV in 16 bits)"
         )
-    elif (
-        Hkv != H
-        and query.is_cpu
-        and _folds_group(query, attn_mask, dropout_p)
-        and not _torch_is_causal(alignment, query.shape[-2], key.shape[-2], attn_mask, scale)
-    ):
+    elif Hkv != H and _fold_applies(query, key, attn_mask, alignment, scale, dropout_p):
         reasons.append(
             f"grouped-query heads H={H}, Hkv={Hkv}, one query row: each group's {H // Hkv} "
             "heads as rows of its kv head (one read of each kv head)"
@@ -653,11 +648,14 @@ def _torch_is_causal(alignment, L: int, S: int, mask, scale) -> bool:
     return alignment == "top_left" and mask is None and not (scale is not None and scale <= 0)
 
 
-def _folds_group(q, mask, dropout_p) -> bool:
-    """Whether the G query heads of a kv group can be attended as G rows of one head: one
-    query row (L = 1), a mask the same for every head and row (sizes 1 there), no dropout
-    (its draws are per head)."""
-    if q.dim() != 4 or q.shape[-2] != 1 or dropout_p:
+def _fold_applies(q, k, mask, alignment, scale, dropout_p) -> bool:
+    """Whether the fused call attends the G query heads of a kv group as G rows of one head
+    (grouped-query heads assumed): on the CPU, one query row (L = 1), a mask the same for every
+    head and row (sizes 1 there), no dropout (its draws are per head), and no top-left triangle
+    handed to torch (it would apply to the folded rows)."""
+    if not q.is_cpu or q.dim() != 4 or q.shape[-2] != 1 or dropout_p:
+        return False
+    if _torch_is_causal(alignment, 1, k.shape[-2], mask, scale):
         return False
     return mask is None or all(mask.shape[d] == 1 for d in (-2, -3) if mask.dim() >= -d)
 
@@ -689,7 +687,7 @@ def _fused(q, k, v, mask, alignment, scale, dropout_p):
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
     elif k.shape[1] != q.shape[1]:
         gqa = True
-    if gqa and q.is_cpu and not torch_causal and _folds_group(q, mask, dropout_p):
+    if gqa and _fold_applies(q, k, mask, alignment, scale, dropout_p):
         # one query row per head (decode): a group's G rows read their kv head once, as G rows
         # of one head -- (B, H, 1, E) -> (B, Hkv, G, E). torch's CPU kernel with enable_gqa
         # took 1.3-3x longer (measured: (4, 9, 3, 256, 64) to (1, 32, 8, 4096, 128), 1 and 2
