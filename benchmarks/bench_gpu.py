@@ -45,6 +45,7 @@ import torch.nn.functional as F
 import attnlab
 from attnlab import masks
 from attnlab.functional import _triton as _dispatch
+from attnlab.kernels import flex_padding
 
 
 def timer(device: str) -> Callable[[Callable[[], object]], float]:
@@ -308,13 +309,14 @@ def bench_padding(args) -> None:
 
 def _on_kernels(q, k, v, pad, is_causal):
     """attnlab's call with the Triton kernels serving padding (the dispatch gives padding
-    alone to SDPA on CUDA, where it was measured faster: this keeps the kernels measured)."""
-    kept = _dispatch.SDPA_SERVES_PADDING_ON
-    _dispatch.SDPA_SERVES_PADDING_ON = ()
+    alone to FlexAttention or SDPA on CUDA, where they were measured faster: this keeps the
+    kernels measured)."""
+    kept = _dispatch.SDPA_SERVES_PADDING_ON, flex_padding.SERVES_ON
+    _dispatch.SDPA_SERVES_PADDING_ON = flex_padding.SERVES_ON = ()
     try:
         return attnlab.scaled_dot_product_attention(q, k, v, pad, is_causal=is_causal)
     finally:
-        _dispatch.SDPA_SERVES_PADDING_ON = kept
+        _dispatch.SDPA_SERVES_PADDING_ON, flex_padding.SERVES_ON = kept
 
 
 def _tril(L, causal, device):

@@ -36,6 +36,7 @@ import attnlab
 import attnlab.functional as AF
 from attnlab import masks
 from attnlab.functional import _triton as dispatch
+from attnlab.kernels import flex_padding
 
 F64 = torch.float64
 FLOOR = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -162,6 +163,41 @@ def check_structure(device, n, dtypes) -> None:
                     judge(f"{name} out", out, ref, ctrl, dtype)
                     if train:
                         _judge_grads(name, (q, k, v), (q0, k0, v0), out, ref, ctrl, dtype)
+
+
+def check_flex(device, n, dtypes) -> None:
+    """Key padding as the dispatch routes it on CUDA: torch's FlexAttention with attnlab's
+    block mask (attnlab.kernels.flex_padding), forward and backward, against float64."""
+    print("== key padding through FlexAttention with attnlab's block mask ==")
+    B, H, Hkv, E = 3, 4, 2, 64
+    for dtype in [d for d in dtypes if d in flex_padding.DTYPES]:
+        cases = ((n, 2 * n + 5, False, "right"), (n + 9, n + 9, True, "right"),
+                 (n, 2 * n, "bottom_right", "left"))  # fmt: skip
+        for L, S, causal, side in cases:
+            # a full row, a cut one, a dead one
+            pad = masks.padding_mask([S, n + 7, 0], S, side=side, device=device)
+            plain = pad.as_subclass(torch.Tensor)
+            keep = plain
+            if causal:
+                align = "top_left" if causal is True else causal
+                keep = masks.restrict(plain, _causal(align, L, S, device))
+            for train in (False, True):
+                name = f"{str(dtype)[6:]} flex padding ({L}, {S}) causal={causal} "
+                name += "fwd+bwd" if train else "fwd"
+                (q0, k0, v0), (q, k, v) = inputs(B, H, Hkv, L, S, E, E, device, dtype, grad=train)
+                d = attnlab.explain(q, k, v, pad, is_causal=causal)
+                if d.path != "flex":
+                    print(f"  FAIL {name}: not on FlexAttention ({d})")
+                    failures.append(f"{name}: path {d.path}")
+                    continue
+                out = attnlab.scaled_dot_product_attention(q, k, v, pad, is_causal=causal)
+                ref = attnlab.scaled_dot_product_attention(
+                    q0, k0, v0, plain.cpu(), is_causal=causal
+                )
+                ctrl = naive(q, k, v, keep)[0]
+                judge(f"{name} out", out, ref, ctrl, dtype)
+                if train:
+                    _judge_grads(name, (q, k, v), (q0, k0, v0), out, ref, ctrl, dtype)
 
 
 def _judge_grads(name, dev, ref_in, out, ref, ctrl, dtype, labels="qkv") -> None:
@@ -291,8 +327,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
-    # The dispatch gives key padding alone to torch's SDPA on CUDA (measured faster there);
-    # this script checks the kernels, so it lets them take padding too.
+    # The dispatch gives key padding alone to torch's FlexAttention on CUDA (16-bit) or to its
+    # SDPA (measured faster there); the kernel sections check attnlab's kernels, so they take
+    # padding too, and check_flex checks the FlexAttention route.
     dispatch.SDPA_SERVES_PADDING_ON = ()
     versions = f"torch {torch.__version__}, triton {_version('triton')}"
     print(f"{versions}, python {platform.python_version()}")
@@ -314,6 +351,9 @@ def main(argv=None) -> int:
         ((2, 4, 2, n // 2, n, 32, 64), None, "float"),
     ]  # fmt: skip
     section(check_weights, device, weights, dtypes)
+    if device == "cuda":
+        section(check_flex, device, n, dtypes)
+    flex_padding.SERVES_ON = ()
     section(check_structure, device, n, dtypes)
     training = [((2, 8, 2, n, n, 64, 64), "top_left"), ((2, 4, 1, n // 2, n + 50, 64, 64), None)]
     section(check_training, device, training, dtypes)

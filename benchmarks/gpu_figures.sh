@@ -44,14 +44,15 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torc
       "triton", triton.__version__, "transformers", t.__version__)' 2>&1 | tee "$logs/versions.log"
 case "${1:-}" in
 0)  # (for the next lease: what changed since the H200 figures of 2026-11-28, in
-    # benchmarks/results/h200-2026-11-28: the eager prefill now reads a static cache's filled
-    # slots alone, which capped generate(compile=True) at x1.25 of HF's tokens/s there while
-    # its step ran at x2.10; that run cut 32 new tokens, this one takes the issue's 128, with
-    # the attention share. The kernels are unchanged since that run's gpu_check (0 failures).)
-    STEP_LIMIT=330 run bench_decode "$py" benchmarks/bench_decode.py --config issue --batch 4 \
-        --prompt 128 --attention
-    STEP_LIMIT=60 run bench_gpu_overhead "$py" benchmarks/bench_gpu.py --only overhead
-    run gpu_check "$py" benchmarks/gpu_check.py  # (as it goes)
+    # benchmarks/results/h200-2026-11-28. Key padding in 16 bits now goes to FlexAttention with
+    # attnlab's block mask (attnlab.kernels.flex_padding, checked on CPU only): gpu_check's
+    # check_flex first, then the padding rows (issue 9's target: no slower than Flex). The eager
+    # prefill now reads a static cache's filled slots alone, which capped generate(compile=True)
+    # at x1.25 of HF's tokens/s there while its step ran at x2.10: issue 11's table after.)
+    STEP_LIMIT=200 run gpu_check "$py" benchmarks/gpu_check.py
+    STEP_LIMIT=200 run bench_gpu_padding "$py" benchmarks/bench_gpu.py --only padding
+    run bench_decode "$py" benchmarks/bench_decode.py --config issue --batch 4 --prompt 128 \
+        --quick  # (as it goes)
     ;;
 1)
     run gpu_check "$py" benchmarks/gpu_check.py

@@ -65,6 +65,7 @@ from attnlab.functional._layout import (
 from attnlab.functional._weights import WeightsAttention, block_shape, weights_in_blocks
 from attnlab.functional.nonfinite import is_finite_assumed, propagate_nonfinite
 from attnlab.functional.softmax import LOW_PRECISION, masked_softmax
+from attnlab.kernels import flex_padding
 from attnlab.masks import plain
 
 inf = float("inf")
@@ -78,8 +79,8 @@ GRAD_WEIGHTS_DTYPES = (torch.float32, torch.float64)
 
 @dataclass(frozen=True)
 class Dispatch:
-    """A call's path (``"fused"``, ``"triton"``, ``"cpu_flash"``, ``"weights"`` or ``"eager"``;
-    ``"empty"`` for no heads) and why."""
+    """A call's path (``"fused"``, ``"triton"``, ``"flex"``, ``"cpu_flash"``, ``"weights"`` or
+    ``"eager"``; ``"empty"`` for no heads) and why."""
 
     path: str
     reasons: tuple[str, ...]
@@ -196,13 +197,19 @@ def _choose(
         and not torch.compiler.is_compiling()
         and not transforms
     ):
+        flex = None  # why FlexAttention does not serve key padding here
+        if structure[0] is not None and not return_weights:
+            flex = flex_padding.unfit(query, key, value, *structure, dropout_p, return_weights)
+            if flex is None:
+                return Dispatch("flex", (flex_padding.describe(query, key, alignment),))
         training = _needs_grad(query, key, value, attn_mask)
         unfit = _triton.sdpa_serves(
             query, structure, return_weights, training, alignment
         ) or _triton.unfit(query, key, value, attn_mask, dropout_p, training, return_weights)
         if unfit is None:
+            said = _triton.describe(query, key, return_weights, *structure, training)
             return Dispatch(
-                "triton", (_triton.describe(query, key, return_weights, *structure, training),)
+                "triton", (said, *(() if flex is None else (f"not FlexAttention: {flex}",)))
             )
         if why:  # say why attnlab's own kernels do not serve this call
             chosen = _choose(
@@ -558,6 +565,8 @@ def attention_with(
         out, weights, screened = _triton.run(
             q, k, v, mask, alignment, scale, return_weights, structure, buffer, kv_finite
         )
+    elif decision.path == "flex":
+        out = flex_padding.attention(q, k, v, structure[0], alignment, scale)
     elif decision.path == "cpu_flash":
         out = kernels.flash_attention(q, k, v, mask, alignment, scale, dropout_p)
     elif decision.path == "weights" and _needs_grad(q, k, v):

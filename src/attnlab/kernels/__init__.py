@@ -19,6 +19,10 @@
   attention, forward and backward). The dispatch picks them in
   :mod:`attnlab.functional._triton` and :mod:`attnlab.functional.additive`.
 
+* :mod:`attnlab.kernels.flex_padding` -- key padding on CUDA through torch's FlexAttention,
+  with a block mask built on the device from each batch row's key range (measured faster than
+  the Triton kernels and SDPA with the dense mask there).
+
 The kernels depend on nothing above them (no ``attnlab.functional`` import): the dispatch in
 :mod:`attnlab.functional.sdpa` checks inputs and applies the NaN policy around them.
 """
