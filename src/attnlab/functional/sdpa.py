@@ -200,8 +200,9 @@ def _choose(
         flex = None  # why FlexAttention does not serve key padding here
         if structure[0] is not None and not return_weights:
             flex = flex_padding.unfit(query, key, value, *structure, dropout_p, return_weights)
-            if flex is None:
-                return Dispatch("flex", (flex_padding.describe(query, key, alignment),))
+            if flex is None:  # (its line written only when asked: the hot path skips it)
+                said = (flex_padding.describe(query, key, alignment),) if why else ()
+                return Dispatch("flex", said)
         training = _needs_grad(query, key, value, attn_mask)
         unfit = _triton.sdpa_serves(
             query, structure, return_weights, training, alignment
