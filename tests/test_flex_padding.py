@@ -87,7 +87,8 @@ def flex_on_cpu(monkeypatch):
 def test_flex_route_equals_the_oracle_and_compiles_once_for_new_lengths(flex_on_cpu):
     """bf16, GQA, every causal alignment, L != S, a dead row: within twice the naive bf16
     formula's error against float64; dead rows exactly 0. New lengths (a new mask every call)
-    and the causal alignment reuse the compiled graph: dynamo's counters say one graph."""
+    and the causal alignment reuse the compiled graph: dynamo's counters say one graph; new
+    sequence lengths compile it once more, with dynamic sizes (not once per length)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -113,6 +114,12 @@ def test_flex_route_equals_the_oracle_and_compiles_once_for_new_lengths(flex_on_
             assert (got.double() - want).abs().max() <= 2 * control + 1e-3
             assert not got[draw].any()  # the dead row
     assert counters["stats"]["unique_graphs"] == 1
+    for L in (21, 50, 64):  # new sequence lengths: one more graph, dynamic in them, then none
+        q = torch.randn(B, H, L, E, generator=g).bfloat16()
+        k, v = (torch.randn(B, Hkv, L, E, generator=g).bfloat16() for _ in range(2))
+        pad = masks.padding_mask(torch.randint(1, L + 1, (B,), generator=g), L)
+        AF.scaled_dot_product_attention(q, k, v, pad, is_causal=True)
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 def test_flex_route_keeps_attnlabs_nan_rule(flex_on_cpu, monkeypatch):
