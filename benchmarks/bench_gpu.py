@@ -1,7 +1,8 @@
 """attnlab's Triton kernels against their peers on a GPU, one run, ratios (issue targets).
 
     python benchmarks/bench_gpu.py                 # on a CUDA machine (an H100 for the targets)
-    python benchmarks/bench_gpu.py --only weights  # weights|padding|overhead|decode|additive
+    python benchmarks/bench_gpu.py --only weights  # weights|padding|structure|overhead|decode|
+                                                   # additive
     python benchmarks/bench_gpu.py --only weights --sweep   # also other weights-kernel tiles
     python benchmarks/bench_gpu.py --only padding --sweep   # also other forward/backward tiles
     TRITON_INTERPRET=1 python benchmarks/bench_gpu.py --smoke   # tiny shapes, CPU interpreter:
@@ -18,9 +19,12 @@ ratios against the peer measured in the same rounds:
   tensor at this device's measured copy bandwidth. Targets: averaged <= 2x fused, per head
   <= 1.3x that bound. bf16, (4, 32, 4096, 128) causal and (8, 16, 1024, 64).
 * padding  -- lengths uniform in [L/2, L]: attnlab with ``masks.padding_mask(lengths)`` (as
-  dispatched: SDPA with the dense mask on CUDA) and its Triton kernels vs FlexAttention with
+  dispatched: FlexAttention in 16 bits on CUDA) and its Triton kernels vs FlexAttention with
   a block mask built from the lengths, and vs SDPA with the dense mask; forward and
   forward+backward, causal and not. Target: no slower than FlexAttention.
+* structure -- sliding windows and packed documents: attnlab as dispatched vs FlexAttention
+  with the same rule's block mask and SDPA with the dense mask (no target: the measure that
+  decides whether they go to FlexAttention too).
 * overhead -- attnlab's fused path vs calling SDPA directly at tiny shapes: microseconds added
   per call, with the NaN rule's row check (the default) and under ``attnlab.assume_finite()``
   (target <= 5 us).
@@ -211,7 +215,18 @@ _FLEX = {}  # one compiled flex_attention for every shape (static shapes, no aut
 
 
 def flex_case(q, k, v, lengths, causal):
-    """FlexAttention with a block mask built from the lengths (the peer), or why not.
+    """FlexAttention with a block mask built from the lengths (the peer), or why not."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = kv_idx < lengths[b]
+        return keep & (kv_idx <= q_idx) if causal else keep
+
+    return flex_peer(q, k, v, mask_mod, per_batch=True)
+
+
+def flex_peer(q, k, v, mask_mod, per_batch):
+    """FlexAttention with the block mask of ``mask_mod`` (``per_batch``: it reads b), or why
+    not.
 
     Compiled once with static shapes: each configuration is its own graph, and dynamo's
     recompile limit is raised for them (at the default 8, the later shapes fell back to
@@ -232,20 +247,17 @@ def flex_case(q, k, v, lengths, causal):
                 setattr(dynamo.config, limit, max(64, getattr(dynamo.config, limit)))
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     flex = _FLEX["fn"]
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        keep = kv_idx < lengths[b]
-        return keep & (kv_idx <= q_idx) if causal else keep
-
+    gqa = k.shape[1] != H
     try:
-        block = create_block_mask(mask_mod, B, None, L, L, device=q.device)
-        out = flex(q, k, v, block_mask=block)
+        S = k.shape[2]
+        block = create_block_mask(mask_mod, B if per_batch else None, None, L, S, device=q.device)
+        out = flex(q, k, v, block_mask=block, enable_gqa=gqa)
         if q.requires_grad:
             out.backward(torch.randn_like(out))
             q.grad = k.grad = v.grad = None
     except Exception as e:  # noqa: BLE001 (a peer that cannot run here is reported, not fatal)
         return None, f"FlexAttention failed here: {type(e).__name__}: {str(e)[:120]}"
-    return (lambda: flex(q, k, v, block_mask=block)), None
+    return (lambda: flex(q, k, v, block_mask=block, enable_gqa=gqa)), None
 
 
 def bench_padding(args) -> None:
@@ -305,6 +317,73 @@ def bench_padding(args) -> None:
                     sweep_tiles(args, "forward", q, kernels, peer, "the peer")
                     if train:
                         sweep_tiles(args, "backward", q, kernels, peer, "the peer")
+
+
+def bench_structure(args) -> None:
+    """Sliding windows and packed documents: attnlab as dispatched (its Triton kernels, which
+    skip the key blocks outside the band or the document) vs FlexAttention with the block mask
+    of the same rule and SDPA with the dense (L, S) mask. Measured before deciding whether
+    these too go to FlexAttention, as key padding does (attnlab.kernels.flex_padding)."""
+    print("== windows and packed documents: attnlab vs FlexAttention block mask vs dense ==")
+    shapes = [(2, 2, 80, 16)] if args.smoke else [(8, 16, 1024, 64), (4, 32, 4096, 128)]
+    for B, H, L, E in shapes:
+        g = torch.Generator().manual_seed(2)
+        w = 17 if args.smoke else 256
+        cuts = torch.sort(torch.randperm(L - 1, generator=g)[:5] + 1).values.tolist()
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, L], strict=True)]
+        doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        doc = doc.to(args.device)
+
+        def in_window(b, h, q_idx, kv_idx, w=w):
+            return (q_idx - kv_idx >= 0) & (q_idx - kv_idx < w)
+
+        def same_document(b, h, q_idx, kv_idx, doc=doc):
+            return doc[q_idx] == doc[kv_idx]
+
+        kinds = {
+            f"window {w}, causal": (
+                masks.sliding_window_mask(L, L, window=w, device=args.device),
+                in_window,
+            ),
+            f"{len(lengths)} documents": (
+                masks.document_mask(lengths, device=args.device),
+                same_document,
+            ),
+        }
+        for label, (m, mask_mod) in kinds.items():
+            dense = masks.plain(m)
+            for train in (False, True):
+                q, k, v = qkv(B, H, L, E, args.device, args.dtype, grad=train)
+                grad = torch.randn_like(q)
+                path = attnlab.explain(q, k, v, m).path
+
+                def step(fn, train=train, grad=grad):
+                    if not train:
+                        with torch.no_grad():
+                            return fn()
+                    out = fn()
+                    out.backward(grad)
+                    return out
+
+                cases = {
+                    f"attnlab ({path})": lambda: step(
+                        lambda: attnlab.scaled_dot_product_attention(q, k, v, m)
+                    ),
+                    "SDPA, dense (L,S) mask": lambda: step(
+                        lambda: F.scaled_dot_product_attention(q, k, v, dense)
+                    ),
+                }
+                flex, why = flex_peer(q, k, v, mask_mod, per_batch=False)
+                if flex is not None:
+                    cases["FlexAttention, block mask"] = lambda: step(flex)
+                t = round_robin(cases, args.device, args.rounds)
+                peer = t.get("FlexAttention, block mask", t["SDPA, dense (L,S) mask"])
+                what = "fwd+bwd" if train else "fwd"
+                print(f"({B},{H},{L},{E}) {args.dtype} {label} {what}:")
+                for name, sec in t.items():
+                    row(name, sec, peer)
+                if why:
+                    print("  " + why)
 
 
 def _on_kernels(q, k, v, pad, is_causal):
@@ -416,7 +495,10 @@ def pick_device(args, script: str) -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", choices=["weights", "padding", "overhead", "decode", "additive"])
+    p.add_argument(
+        "--only",
+        choices=["weights", "padding", "structure", "overhead", "decode", "additive"],
+    )
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
@@ -425,7 +507,9 @@ def main(argv=None) -> int:
     args.dtype = getattr(torch, args.dtype)
     if not pick_device(args, "bench_gpu"):
         return 0
-    chosen = [args.only] if args.only else ["weights", "padding", "overhead", "decode", "additive"]
+    chosen = [args.only] if args.only else [
+        "weights", "padding", "structure", "overhead", "decode", "additive"
+    ]  # fmt: skip
     for name in chosen:
         if name == "additive":
             try:

@@ -58,7 +58,8 @@ case "${1:-}" in
     run gpu_check "$py" benchmarks/gpu_check.py
     STEP_LIMIT=150 run bench_gpu_weights "$py" benchmarks/bench_gpu.py --only weights --sweep
     run bench_gpu_overhead "$py" benchmarks/bench_gpu.py --only overhead
-    run bench_gpu_padding "$py" benchmarks/bench_gpu.py --only padding --sweep  # (as it goes)
+    STEP_LIMIT=240 run bench_gpu_padding "$py" benchmarks/bench_gpu.py --only padding --sweep
+    run bench_gpu_structure "$py" benchmarks/bench_gpu.py --only structure  # (as it goes)
     ;;
 2)
     run bench_gpu_additive "$py" benchmarks/bench_gpu_additive.py --sweep
