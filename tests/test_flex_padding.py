@@ -68,12 +68,23 @@ def test_block_mask_lists_the_tiles_each_row_may_see(alignment, L, S, monkeypatc
 
 
 def test_block_mask_is_kept_with_its_ranges_and_rebuilt_when_they_change():
+    """Cached per range tensors (every layer reads one mask), rebuilt when they change in
+    place or another end comes with the same start, and dropped with the mask (the block mask
+    holds copies of the ranges, not the cache's key)."""
+    import gc
+
     pad = masks.padding_mask([5, 3], 7)
     first = flex_padding.block_mask(pad.key_range, None, 4, 7)
     assert flex_padding.block_mask(pad.key_range, None, 4, 7) is first  # the next layer's call
     assert flex_padding.block_mask(pad.key_range, "top_left", 4, 7) is not first
     pad.key_range[1][0] = 6  # changed in place: a new block mask
-    assert flex_padding.block_mask(pad.key_range, None, 4, 7) is not first
+    second = flex_padding.block_mask(pad.key_range, None, 4, 7)
+    assert second is not first
+    other_end = (pad.key_range[0], torch.tensor([2, 2], dtype=torch.int32))
+    assert flex_padding.block_mask(other_end, None, 4, 7) is not second
+    del pad, other_end, first, second
+    gc.collect()
+    assert len(flex_padding._cache) == 0
 
 
 @pytest.fixture
@@ -114,12 +125,21 @@ def test_flex_route_equals_the_oracle_and_compiles_once_for_new_lengths(flex_on_
             assert (got.double() - want).abs().max() <= 2 * control + 1e-3
             assert not got[draw].any()  # the dead row
     assert counters["stats"]["unique_graphs"] == 1
-    for L in (21, 50, 64):  # new sequence lengths: one more graph, dynamic in them, then none
+    for scale in (0.3, 0.2):  # new scales: the same graph (the scale is a tensor there)
+        got = AF.scaled_dot_product_attention(q, k, v, pad, scale=scale)
+        keep = masks.plain(pad)
+        want = naive_sdpa(q.double(), k.double(), v.double(), keep, scale=scale)
+        control = (naive_sdpa(q, k, v, keep, scale=scale).double() - want).abs().max()
+        assert (got.double() - want).abs().max() <= 2 * control + 1e-3
+    assert counters["stats"]["unique_graphs"] == 1
+    # new sequence lengths, and as many kv heads as query heads: one more graph, dynamic in
+    # the sizes that changed, then none
+    for L, heads in ((21, Hkv), (50, H), (64, Hkv), (30, H)):
         q = torch.randn(B, H, L, E, generator=g).bfloat16()
-        k, v = (torch.randn(B, Hkv, L, E, generator=g).bfloat16() for _ in range(2))
+        k, v = (torch.randn(B, heads, L, E, generator=g).bfloat16() for _ in range(2))
         pad = masks.padding_mask(torch.randint(1, L + 1, (B,), generator=g), L)
         AF.scaled_dot_product_attention(q, k, v, pad, is_causal=True)
-    assert counters["stats"]["unique_graphs"] == 2
+    assert counters["stats"]["unique_graphs"] == 3
 
 
 def test_flex_route_keeps_attnlabs_nan_rule(flex_on_cpu, monkeypatch):

@@ -12,9 +12,11 @@ built on the device from the ranges, with no (L, S) tensor and no host sync::
     partial = neither;   mask_mod(b, h, q, kv) = start_b <= kv < end_b  and  kv - q <= c
 
 with ``c = 0`` top-left causal, ``S - L`` bottom-right, ``S`` (always true) without causality:
-one ``mask_mod`` whose ranges and offset are tensors, so new lengths (a new batch) reuse the
-compiled kernels (dynamo lifts captured tensors as inputs; a test counts the graphs). The block
-mask is cached per key-range tensor (a padding mask is built once and read by every layer).
+one ``mask_mod`` whose ranges and offset are tensors, and the scale a tensor too (a
+``score_mod``), so new lengths (a new batch) and new scales reuse the compiled kernels (dynamo
+lifts captured tensors as inputs; a test counts the graphs). The block mask is cached per
+key-range tensor (a padding mask is built once and read by every layer) and holds copies of
+the ranges, so that it goes with the mask.
 
 Why: measured with ``benchmarks/bench_gpu.py --only padding`` (bf16, lengths in [L/2, L],
 (8,16,1024,64), (4,32,4096,128), (32,16,128,64), causal and not; results in
@@ -96,8 +98,13 @@ def attention(q, k, v, key_range, alignment, scale):
     ``"top_left"``, ``"bottom_right"``); ``scale`` None is 1/sqrt(E)."""
     L, S = q.shape[-2], k.shape[-2]
     block = block_mask(key_range, alignment, L, S)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    # the scale as a tensor that score_mod reads, FlexAttention's own scale 1: a float argument
+    # is a guard, so that each new scale would compile a new graph (and past dynamo's limit of
+    # 8, calls would run FlexAttention's unfused eager form)
+    factor = torch.tensor(scale, dtype=torch.float32, device=q.device)
     run = _compiled() if q.device.type in COMPILED_ON else _eager()
-    return run(q, k, v, block, scale, k.shape[1] != q.shape[1])
+    return run(q, k, v, block, factor)
 
 
 def block_mask(key_range, alignment, L: int, S: int):
@@ -107,8 +114,9 @@ def block_mask(key_range, alignment, L: int, S: int):
     kind = "none" if alignment is None else alignment
     key = (L, S, kind, BLOCK, start.device)
     entries = _cache.setdefault(start, {})
-    if key not in entries or entries[key][0] != (start._version, end._version):
-        entries[key] = ((start._version, end._version), _build(start, end, kind, L, S))
+    seen = (start._version, id(end), end._version)  # (end lives as long as start: one mask's)
+    if key not in entries or entries[key][0] != seen:
+        entries[key] = (seen, _build(start, end, kind, L, S))
     return entries[key][1]
 
 
@@ -127,7 +135,8 @@ def _build(start, end, kind: str, L: int, S: int):
     empty = (k1 <= s) | (e <= k0) | (k0 - (q1 - 1) > offset)
     partial = ~full & ~empty
     c = torch.tensor(offset, device=device)
-    lo, hi = start, end
+    # copies: the block mask (the cache's value) must not hold the cache's key, ``start``
+    lo, hi = start.clone(), end.clone()
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx >= lo[b]) & (kv_idx < hi[b]) & (kv_idx - q_idx <= c)
@@ -145,10 +154,15 @@ def _listed(chosen: torch.Tensor):
     return count[:, None], order[:, None]
 
 
-def _call(q, k, v, block, scale, gqa):
+def _call(q, k, v, block, factor):
+    """FlexAttention with the scores times ``factor`` (a 0-d tensor) and grouped-query heads
+    always allowed (G = 1 is a group too): no Python value that varies between calls."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return flex_attention(q, k, v, block_mask=block, scale=scale, enable_gqa=gqa)
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * factor
+
+    return flex_attention(q, k, v, scaled, block_mask=block, scale=1.0, enable_gqa=True)
 
 
 @functools.cache
