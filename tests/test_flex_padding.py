@@ -52,8 +52,9 @@ def _element(start, end, alignment, L, S):
 @pytest.mark.parametrize("L,S", [(37, 45), (45, 37), (16, 16), (5, 70)])
 def test_block_mask_lists_the_tiles_each_row_may_see(alignment, L, S, monkeypatch):
     """Every key a row may attend lies in a full tile or a listed one; a full tile holds only
-    keys it may attend; a listed tile is read through the element rule. Lengths at tile edges,
-    0 (a dead row) and S, right and left padding."""
+    keys it may attend; a listed tile is read through the element rule and is truly partial
+    (no tile read through the mask that could be skipped or taken whole). Lengths at tile
+    edges, 0 (a dead row) and S, right and left padding."""
     monkeypatch.setattr(flex_padding, "BLOCK", 8)
     g = torch.Generator().manual_seed(L * 100 + S)
     ends = [S, 0, 8, 9, min(S, 16), int(torch.randint(1, S + 1, (1,), generator=g))]
@@ -65,6 +66,12 @@ def test_block_mask_lists_the_tiles_each_row_may_see(alignment, L, S, monkeypatc
         assert torch.equal(_tiles(block, len(ends), L, S, 8, element), element)
         full = _tiles(block, len(ends), L, S, 8, torch.zeros_like(element))  # full tiles alone
         assert not (full & ~element).any()
+        # and exactly: a listed (partial) tile allows some pairs and not all
+        for b in range(len(ends)):
+            for r in range(block.kv_num_blocks.shape[-1]):
+                for j in block.kv_indices[b, 0, r, : block.kv_num_blocks[b, 0, r]].tolist():
+                    tile = element[b, r * 8 : (r + 1) * 8, j * 8 : (j + 1) * 8]
+                    assert tile.any() and not tile.all(), (side, b, r, j)
 
 
 def test_block_mask_is_kept_with_its_ranges_and_rebuilt_when_they_change():

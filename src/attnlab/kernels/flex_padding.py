@@ -8,8 +8,11 @@ built on the device from the ranges, with no (L, S) tensor and no host sync::
 
     keys [k0, k1) of batch row b, query rows [q0, q1), causal offset c (kv <= q + c):
     full    = start_b <= k0  and  k1 <= end_b  and  (k1 - 1) - q0 <= c
-    empty   = k1 <= start_b  or   end_b <= k0  or   k0 - (q1 - 1) > c
+    f, l    = max(k0, start_b), min(k1, end_b) - 1          (the tile's keys in range)
+    empty   = f > l  or  f - (q1 - 1) > c
     partial = neither;   mask_mod(b, h, q, kv) = start_b <= kv < end_b  and  kv - q <= c
+
+Both tests are exact: a full tile allows every pair, an empty one none, a partial one some.
 
 with ``c = 0`` top-left causal, ``S - L`` bottom-right, ``S`` (always true) without causality:
 one ``mask_mod`` whose ranges and offset are tensors, and the scale a tensor too (a
@@ -132,7 +135,8 @@ def _build(start, end, kind: str, L: int, S: int):
     k1 = torch.clamp(k0 + BLOCK, max=S)
     s, e = start.long()[:, None, None], end.long()[:, None, None]  # (B, 1, 1)
     full = (s <= k0) & (k1 <= e) & ((k1 - 1) - q0 <= offset)  # (B, rows, keys)
-    empty = (k1 <= s) | (e <= k0) | (k0 - (q1 - 1) > offset)
+    first, last = torch.maximum(k0, s), torch.minimum(k1, e) - 1  # the tile's keys in range
+    empty = (first > last) | (first - (q1 - 1) > offset)  # none, or past every row's reach
     partial = ~full & ~empty
     c = torch.tensor(offset, device=device)
     # copies: the block mask (the cache's value) must not hold the cache's key, ``start``
