@@ -301,17 +301,10 @@ def bench_padding(args) -> None:
                         lambda: F.scaled_dot_product_attention(q, k, v, dense_mask)
                     ),
                 }
-                flex, why = flex_case(q, k, v, lengths, causal)
-                if flex is not None:
-                    cases["FlexAttention, block mask"] = lambda: step(flex)
-                t = round_robin(cases, args.device, args.rounds)
-                peer = t.get("FlexAttention, block mask", t["SDPA, dense (B,1,1,S) mask"])
                 what = "fwd+bwd" if train else "fwd"
-                print(f"({B},{H},{L},{E}) {args.dtype} causal={causal} {what}:")
-                for name, s in t.items():
-                    row(name, s, peer)
-                if why:
-                    print("  " + why)
+                title = f"({B},{H},{L},{E}) {args.dtype} causal={causal} {what}:"
+                flex = flex_case(q, k, v, lengths, causal)
+                peer = _against_flex(args, title, cases, flex, step, "SDPA, dense (B,1,1,S) mask")
                 if args.sweep:
                     kernels = {"attnlab's Triton kernels": cases["attnlab's Triton kernels"]}
                     sweep_tiles(args, "forward", q, kernels, peer, "the peer")
@@ -373,17 +366,26 @@ def bench_structure(args) -> None:
                         lambda: F.scaled_dot_product_attention(q, k, v, dense)
                     ),
                 }
-                flex, why = flex_peer(q, k, v, mask_mod, per_batch=False)
-                if flex is not None:
-                    cases["FlexAttention, block mask"] = lambda: step(flex)
-                t = round_robin(cases, args.device, args.rounds)
-                peer = t.get("FlexAttention, block mask", t["SDPA, dense (L,S) mask"])
                 what = "fwd+bwd" if train else "fwd"
-                print(f"({B},{H},{L},{E}) {args.dtype} {label} {what}:")
-                for name, sec in t.items():
-                    row(name, sec, peer)
-                if why:
-                    print("  " + why)
+                title = f"({B},{H},{L},{E}) {args.dtype} {label} {what}:"
+                flex = flex_peer(q, k, v, mask_mod, per_batch=False)
+                _against_flex(args, title, cases, flex, step, "SDPA, dense (L,S) mask")
+
+
+def _against_flex(args, title, cases, flex, step, fallback) -> float:
+    """Time ``cases`` and FlexAttention (``flex``: its call and why not) round-robin, print the
+    table against it (or ``fallback`` where it cannot run) and return the peer's time."""
+    run, why = flex
+    if run is not None:
+        cases["FlexAttention, block mask"] = lambda: step(run)
+    t = round_robin(cases, args.device, args.rounds)
+    peer = t.get("FlexAttention, block mask", t[fallback])
+    print(title)
+    for name, sec in t.items():
+        row(name, sec, peer)
+    if why:
+        print("  " + why)
+    return peer
 
 
 def _on_kernels(q, k, v, pad, is_causal):

@@ -82,9 +82,14 @@ def judge(name, got, ref, ctrl, dtype) -> None:
 
 
 def on_triton(name, *args, **kwargs) -> bool:
+    return on_path(name, "triton", *args, **kwargs)
+
+
+def on_path(name, path, *args, **kwargs) -> bool:
+    """Whether the call takes ``path`` (``explain()``); a failure recorded when it does not."""
     d = attnlab.explain(*args, **kwargs)
-    if d.path != "triton":
-        print(f"  FAIL {name}: not on the Triton kernels ({d})")
+    if d.path != path:
+        print(f"  FAIL {name}: not on {path} ({d})")
         failures.append(f"{name}: path {d.path}")
         return False
     return True
@@ -153,16 +158,8 @@ def check_structure(device, n, dtypes) -> None:
                     name += "fwd+bwd" if train else "fwd"
                     shape = (B, H, Hkv, L, S, E, E)
                     (q0, k0, v0), (q, k, v) = inputs(*shape, device, dtype, grad=train)
-                    if not on_triton(name, q, k, v, m, is_causal=causal):
-                        continue
-                    out = attnlab.scaled_dot_product_attention(q, k, v, m, is_causal=causal)
-                    ref = attnlab.scaled_dot_product_attention(
-                        q0, k0, v0, plain.cpu(), is_causal=causal
-                    )
-                    ctrl = naive(q, k, v, keep)[0]
-                    judge(f"{name} out", out, ref, ctrl, dtype)
-                    if train:
-                        _judge_grads(name, (q, k, v), (q0, k0, v0), out, ref, ctrl, dtype)
+                    if on_triton(name, q, k, v, m, is_causal=causal):
+                        _judge_masked(name, (q, k, v), (q0, k0, v0), m, plain, keep, causal, dtype)
 
 
 def check_flex(device, n, dtypes) -> None:
@@ -185,19 +182,20 @@ def check_flex(device, n, dtypes) -> None:
                 name = f"{str(dtype)[6:]} flex padding ({L}, {S}) causal={causal} "
                 name += "fwd+bwd" if train else "fwd"
                 (q0, k0, v0), (q, k, v) = inputs(B, H, Hkv, L, S, E, E, device, dtype, grad=train)
-                d = attnlab.explain(q, k, v, pad, is_causal=causal)
-                if d.path != "flex":
-                    print(f"  FAIL {name}: not on FlexAttention ({d})")
-                    failures.append(f"{name}: path {d.path}")
-                    continue
-                out = attnlab.scaled_dot_product_attention(q, k, v, pad, is_causal=causal)
-                ref = attnlab.scaled_dot_product_attention(
-                    q0, k0, v0, plain.cpu(), is_causal=causal
-                )
-                ctrl = naive(q, k, v, keep)[0]
-                judge(f"{name} out", out, ref, ctrl, dtype)
-                if train:
-                    _judge_grads(name, (q, k, v), (q0, k0, v0), out, ref, ctrl, dtype)
+                if on_path(name, "flex", q, k, v, pad, is_causal=causal):
+                    _judge_masked(name, (q, k, v), (q0, k0, v0), pad, plain, keep, causal, dtype)
+
+
+def _judge_masked(name, dev, ref_in, mask, plain, keep, causal, dtype) -> None:
+    """attnlab's call with ``mask`` on the device against float64 with its plain tensor, and
+    the naive formula with ``keep`` (the mask and causality) as the control; gradients when
+    the inputs take them."""
+    out = attnlab.scaled_dot_product_attention(*dev, mask, is_causal=causal)
+    ref = attnlab.scaled_dot_product_attention(*ref_in, plain.cpu(), is_causal=causal)
+    ctrl = naive(*dev, keep)[0]
+    judge(f"{name} out", out, ref, ctrl, dtype)
+    if dev[0].requires_grad:
+        _judge_grads(name, dev, ref_in, out, ref, ctrl, dtype)
 
 
 def _judge_grads(name, dev, ref_in, out, ref, ctrl, dtype, labels="qkv") -> None:
