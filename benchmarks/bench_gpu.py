@@ -277,14 +277,7 @@ def bench_padding(args) -> None:
                 path = attnlab.explain(q, k, v, pad, is_causal=is_causal).path
                 dense_mask = dense & _tril(L, causal, q.device)  # built once, not timed
 
-                def step(fn):
-                    if not train:
-                        with torch.no_grad():
-                            return fn()
-                    out = fn()
-                    out.backward(grad)
-                    return out
-
+                step = _stepper(train, grad)
                 cases = {
                     f"attnlab ({path})": lambda: step(
                         lambda: attnlab.scaled_dot_product_attention(
@@ -350,14 +343,7 @@ def bench_structure(args) -> None:
                 grad = torch.randn_like(q)
                 path = attnlab.explain(q, k, v, m).path
 
-                def step(fn, train=train, grad=grad):
-                    if not train:
-                        with torch.no_grad():
-                            return fn()
-                    out = fn()
-                    out.backward(grad)
-                    return out
-
+                step = _stepper(train, grad)
                 cases = {
                     f"attnlab ({path})": lambda: step(
                         lambda: attnlab.scaled_dot_product_attention(q, k, v, m)
@@ -370,6 +356,20 @@ def bench_structure(args) -> None:
                 title = f"({B},{H},{L},{E}) {args.dtype} {label} {what}:"
                 flex = flex_peer(q, k, v, mask_mod, per_batch=False)
                 _against_flex(args, title, cases, flex, step, "SDPA, dense (L,S) mask")
+
+
+def _stepper(train: bool, grad):
+    """A timed call: ``fn()`` without gradients, or ``fn()`` and its backward with ``grad``."""
+
+    def step(fn):
+        if not train:
+            with torch.no_grad():
+                return fn()
+        out = fn()
+        out.backward(grad)
+        return out
+
+    return step
 
 
 def _against_flex(args, title, cases, flex, step, fallback) -> float:
