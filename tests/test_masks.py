@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import attnlab.functional as AF
 import attnlab.reference as R
 from attnlab import masks
 
@@ -174,6 +175,27 @@ def test_the_remembered_structure_is_dropped_when_the_mask_changes_in_place():
         m = build()
         m &= m  # same values, but written: the mask alone now says what it masks
         assert masks.structure(m) == (None, None)
+
+
+def test_masks_built_under_inference_mode_work_and_are_read_by_their_values():
+    """Under torch.inference_mode() tensors have no version counter, so building a structured
+    mask raised (RuntimeError from its version check). It now builds, and its structure is not
+    trusted (a change could not be seen): the call reads its values, with the same result."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 6, 8, generator=g)
+    k = torch.randn(2, 2, 6, 8, generator=g)
+    builders = {
+        "padding": lambda: masks.padding_mask([3, 6], 6),
+        "window": lambda: masks.sliding_window_mask(6, 6, window=2),
+        "documents": lambda: masks.document_mask([2, 4]),
+    }
+    for name, build in builders.items():
+        want = AF.scaled_dot_product_attention(q, k, k, build())
+        with torch.inference_mode():
+            mask = build()
+            assert masks.structure(mask) == (None, None), name
+            got = AF.scaled_dot_product_attention(q, k, k, mask)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_the_structure_is_never_trusted_after_a_change_it_cannot_see():

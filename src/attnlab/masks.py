@@ -185,8 +185,12 @@ def _remember(mask: torch.Tensor, **structure) -> None:
         mask._built_version = _versions(mask)
 
 
-def _versions(mask: Mask) -> tuple[int, int]:
-    # (the mask's, bumped by its own in-place ops; its tensor's, by writes through plain())
+def _versions(mask: Mask) -> tuple[int, int] | None:
+    """The mask's version counter (bumped by its own in-place ops) and its tensor's (by writes
+    through plain()); None for an inference tensor (made under ``torch.inference_mode()``),
+    which has none: its structure cannot be trusted to hold, so only its values count."""
+    if mask._data.is_inference():
+        return None
     return mask._version, mask._data._version
 
 
@@ -197,7 +201,7 @@ def structure(mask) -> tuple:
     if torch.compiler.is_compiling():  # (traced: torch's ops run, and a version is no guard)
         return None, None
     version = getattr(mask, "_built_version", None)
-    if version is None or _versions(mask) != version:
+    if version is None or _versions(mask) != version:  # (an inference tensor's: None)
         return None, None
     return getattr(mask, "key_range", None), getattr(mask, "band", None)
 
