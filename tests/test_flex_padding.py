@@ -191,6 +191,9 @@ def test_what_the_route_does_not_take_keeps_the_other_paths_and_says_why(monkeyp
     assert flex_padding.unfit(*b, docs.key_range, None, 0.0, False) is not None
     for args, kw in (((*b, pad), {"return_weights": True}), (((q, k, v, pad)), {})):
         assert attnlab.explain(*args, **kw).path != "flex"
+    monkeypatch.setattr(flex_padding, "available", lambda: False)  # (an older torch)
+    assert "no FlexAttention that takes" in flex_padding.unfit(*b, pad.key_range, None, 0.0, False)
+    assert attnlab.explain(*b, pad).path != "flex"
     monkeypatch.setattr(flex_padding, "SERVES_ON", ("cuda",))
     assert "cpu tensors" in flex_padding.unfit(*b, pad.key_range, None, 0.0, False)
     assert attnlab.explain(*b, pad).path != "flex"

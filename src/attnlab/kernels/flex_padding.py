@@ -48,13 +48,19 @@ BLOCK = 128  # FlexAttention's default tile, rows and keys
 _cache = WeakIdKeyDictionary()
 
 
+@functools.cache
 def available() -> bool:
-    """Whether this torch has FlexAttention (2.5 and later)."""
+    """Whether this torch's FlexAttention takes what the route passes: ``enable_gqa`` and a
+    block mask from ``BlockMask.from_kv_blocks(..., seq_lengths=...)`` (later than 2.5's)."""
+    import inspect
+
     try:
-        from torch.nn.attention import flex_attention  # noqa: F401
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
     except ImportError:
         return False
-    return True
+    takes = inspect.signature(flex_attention).parameters
+    blocks = inspect.signature(BlockMask.from_kv_blocks).parameters
+    return "enable_gqa" in takes and "seq_lengths" in blocks
 
 
 def unfit(q, k, v, key_range, band, dropout_p, return_weights) -> str | None:
@@ -72,7 +78,7 @@ def unfit(q, k, v, key_range, band, dropout_p, return_weights) -> str | None:
     if q.dim() != 4 or q.shape[-1] != v.shape[-1] or q.shape[-1] not in HEAD_DIMS:
         return f"head dims E={q.shape[-1]}, Ev={v.shape[-1]} (served: E = Ev in {HEAD_DIMS})"
     if not available():
-        return "this torch has no FlexAttention"
+        return "this torch has no FlexAttention that takes enable_gqa and seq_lengths"
     if q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 0):
         return "a GPU before sm_80 (FlexAttention's 16-bit kernels need Ampere or later)"
     return None
