@@ -59,29 +59,22 @@ def block_shape(
 class _Blocks:
     """The blocks of a (B, H, L, S) score tensor and what each needs: kv heads, mask, causal."""
 
-    def __init__(self, q, k, mask, alignment, nbytes=None, batches=False):
+    def __init__(self, q, k, mask, alignment, nbytes=None):
         B, H, L, _ = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         self.shape = (B, H, L, S)
         self.G = G = H // Hkv  # (a block of >= G heads holds whole kv groups: see fold)
-        # batches: every batch row in one block when they fit (its b a slice); the backward,
-        # which sums dK and dV per batch row, takes one batch row a block
-        nb, self.heads, self.rows = block_shape(
-            H, L, S, q.element_size(), nbytes, G, B if batches else 1
-        )
-        self.batches = nb > 1
+        # one batch row a block (every batch row in one block is weights_in_blocks' _one_block;
+        # the backward sums dK and dV per batch row)
+        _, self.heads, self.rows = block_shape(H, L, S, q.element_size(), nbytes, G)
         self.kv_head = torch.arange(H, device=q.device) // (H // Hkv)  # head h reads h // G
         self.mask = None if mask is None else mask.expand(B, H, L, S)  # a view, not a copy
         self.causal = None if alignment is None else causal_keep(L, S, alignment, q.device)
         self.can_die = self.mask is not None or self.causal is not None
 
     def __iter__(self):
-        """Yield (b, heads slice, rows slice, kv heads index); b an int, or ``slice(None)``
-        (every batch row in one block: see ``batches``)."""
+        """Yield (b, heads slice, rows slice, kv heads index)."""
         B, H, L, _ = self.shape
-        if self.batches:
-            yield slice(None), slice(0, H), slice(0, L), self.kv_head
-            return
         for b in range(B):
             for h0 in range(0, H, self.heads):
                 h1 = min(H, h0 + self.heads)
@@ -145,27 +138,26 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
         return _one_block(qs, k, v, mask, alignment, average, out, weights, lse)
     if average:
         weights.zero_()  # the blocks add into it
-    blocks = _Blocks(q, k, mask, alignment, batches=True)
-    lead = (B,) if blocks.batches else ()  # a block's leading batch dim, if it has one
-    scratch = q.new_empty(*lead, blocks.heads, blocks.rows, S) if average else None
+    blocks = _Blocks(q, k, mask, alignment)
+    scratch = q.new_empty(blocks.heads, blocks.rows, S) if average else None
     for b, hs, rs, kv in blocks:
         h, r = hs.stop - hs.start, rs.stop - rs.start
-        w = scratch[..., :h, :r, :] if average else weights[b, hs, rs]  # ([B,] h, r, S)
+        w = scratch[:h, :r] if average else weights[b, hs, rs]  # (h, r, S)
         n = blocks.fold(hs, rs)
         if n is not None:  # (h, L, *) -> (n, G * L, *): K and V sliced, not gathered
             hk = hs.start // (h // n)
-            kb, vb = k[b, hk : hk + n], v[b, hk : hk + n]  # ([B,] n, S, E), ([B,] n, S, Ev)
+            kb, vb = k[b, hk : hk + n], v[b, hk : hk + n]  # (n, S, E), (n, S, Ev)
             # (the queries reshaped: a copy where they are a view of (B, L, H, E) projections)
-            q_rows = qs[b, hs].reshape(*lead, n, -1, qs.shape[-1])  # -> ([B,] n, G * L, E)
+            q_rows = qs[b, hs].reshape(n, -1, qs.shape[-1])  # -> (n, G * L, E)
             torch.matmul(q_rows, kb.transpose(-2, -1), out=_fold(w, n))
-            blocks.mask_(w, b, hs, rs)  # (on the ([B,] h, L, S) view)
+            blocks.mask_(w, b, hs, rs)  # (on the (h, L, S) view)
             _softmax_(w, blocks.can_die, None if lse is None else lse[b, hs, rs])
             torch.matmul(_fold(w, n), vb, out=_fold(out[b, hs], n))
         else:
-            kb, vb = k[b, kv], v[b, kv]  # ([B,] h, S, E), ([B,] h, S, Ev)
+            kb, vb = k[b, kv], v[b, kv]  # (h, S, E), (h, S, Ev)
             blocks.scores_(w, qs[b, hs, rs], kb, b, hs, rs)
             _softmax_(w, blocks.can_die, None if lse is None else lse[b, hs, rs])
-            torch.matmul(w, vb, out=out[b, hs, rs])  # ([B,] h, r, S) @ ([B,] h, S, Ev)
+            torch.matmul(w, vb, out=out[b, hs, rs])  # (h, r, S) @ (h, S, Ev)
         if average:
             weights[b, 0, rs].add_(w.sum(-3), alpha=1.0 / H)
     return out, weights

@@ -252,9 +252,8 @@ def _choose(
             )
         else:
             said = (
-                f"weights ({what}) and output computed together in blocks of "
-                f"{f'{batches} batch rows x ' if batches > 1 else ''}{heads} head(s) x "
-                f"{rows} query rows, written in place: extra memory one block, not (B, H, L, "
+                f"weights ({what}) and output computed together in blocks of {heads} head(s) "
+                f"x {rows} query rows, written in place: extra memory one block, not (B, H, L, "
                 f"S){backward}"
             )
         return Dispatch("weights", (said,))
