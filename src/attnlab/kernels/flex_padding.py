@@ -111,9 +111,15 @@ def attention(q, k, v, key_range, alignment, scale):
     # the scale as a tensor that score_mod reads, FlexAttention's own scale 1: a float argument
     # is a guard, so that each new scale would compile a new graph (and past dynamo's limit of
     # 8, calls would run FlexAttention's unfused eager form)
-    factor = torch.tensor(scale, dtype=torch.float32, device=q.device)
-    run = _compiled() if q.device.type in COMPILED_ON else _eager()
-    return run(q, k, v, block, factor)
+    run = _compiled() if q.device.type in COMPILED_ON else _eager
+    return run(q, k, v, block, _factor(scale, q.device))
+
+
+@functools.lru_cache(maxsize=64)
+def _factor(scale: float, device: torch.device) -> torch.Tensor:
+    """The scale as a 0-d float32 tensor on the device, made once per (scale, device): not a
+    host-to-device copy at every call."""
+    return torch.tensor(scale, dtype=torch.float32, device=device)
 
 
 def block_mask(key_range, alignment, L: int, S: int):
@@ -183,12 +189,10 @@ def _compiled():
     return torch.compile(_call)
 
 
-def _eager():
+def _eager(*args):
+    """``_call`` as it is (FlexAttention's unfused form: the tests' CPU route)."""
     import warnings
 
-    def run(*args):
-        with warnings.catch_warnings():  # ("called without torch.compile": meant, off CUDA)
-            warnings.simplefilter("ignore", UserWarning)
-            return _call(*args)
-
-    return run
+    with warnings.catch_warnings():  # ("called without torch.compile": meant, off CUDA)
+        warnings.simplefilter("ignore", UserWarning)
+        return _call(*args)
