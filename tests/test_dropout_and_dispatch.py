@@ -265,11 +265,13 @@ def test_one_query_row_folds_a_groups_heads_into_rows_of_its_kv_head(
     mask = None if mask_shape is None else torch.rand(mask_shape, generator=g) > 0.3
     if mask_shape == (2, 1, 1, 9):
         mask[1] = False  # batch row 1: no key (dead rows)
-    want = AF.scaled_dot_product_attention(q, k, v, mask, is_causal=alignment)  # float64
+    # the reference and the control without GQA at all (kv heads repeated: nothing folds), so
+    # that a wrong fold cannot hide in both
+    k4, v4 = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    want = AF.scaled_dot_product_attention(q, k4, v4, mask, is_causal=alignment)  # float64
     control = AF.scaled_dot_product_attention(
-        q.float(), k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1), mask,
-        is_causal=alignment,
-    )  # float32, no GQA at all  # fmt: skip
+        q.float(), k4.float(), v4.float(), mask, is_causal=alignment
+    )  # float32
     shapes = []
     real = torch.nn.functional.scaled_dot_product_attention
 
