@@ -10,6 +10,7 @@ import torch
 
 import attnlab.functional as AF
 import attnlab.reference as R
+from attnlab.kernels import cpu_flash
 
 F64 = torch.float64
 
@@ -239,7 +240,11 @@ def test_explain_checks_casts_and_reasons_as_the_call(monkeypatch):
     said = str(AF.explain(*(t.bfloat16() for t in (q, k, v))))
     assert said.startswith("fused") and "kv heads repeated" in said and "enable_gqa)" not in said
     big = torch.randn(1, 6, 512, 64), torch.randn(1, 2, 1024, 64)
-    assert "blocks of 3 head(s)" in str(AF.explain(big[0], big[1], big[1], return_weights=True))
+    said = str(AF.explain(big[0], big[1], big[1], return_weights=True))
+    assert "blocked CPU kernel (C++" in said and "writes each block's weights" in said
+    monkeypatch.setattr(cpu_flash, "weights_unfit", lambda *args: "switched off")
+    said = str(AF.explain(big[0], big[1], big[1], return_weights=True))
+    assert "blocks of 3 head(s)" in said and "not the C++ blocked kernel: switched off" in said
     said = str(AF.explain(q0, k0, v0, is_causal=True, scale=-1.0))
     assert "passed as a bool mask" in said and "scale <= 0" in said
     w = torch.randn(16, 8), torch.randn(16, 8), torch.randn(16)

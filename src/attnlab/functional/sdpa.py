@@ -62,7 +62,12 @@ from attnlab.functional._layout import (
     grouped_weighted_sum,
     with_causal,
 )
-from attnlab.functional._weights import WeightsAttention, block_shape, weights_in_blocks
+from attnlab.functional._weights import (
+    WeightsAttention,
+    block_shape,
+    weights_in_blocks,
+)
+from attnlab.functional._weights import native as native_weights
 from attnlab.functional.nonfinite import is_finite_assumed, propagate_nonfinite
 from attnlab.functional.softmax import LOW_PRECISION, masked_softmax
 from attnlab.kernels import flex_padding
@@ -244,7 +249,16 @@ def _choose(
             backward = "; with autograd: the backward reads the returned weights, block by block"
 
         B, L = query.shape[0], query.shape[2]
-        if (batches, heads, rows) == (B, H, L):
+        value = key if value is None else value
+        average = return_weights == "average"
+        if (batches, heads, rows) != (B, H, L) and native_weights(
+            query, key, value, attn_mask, average
+        ) is None:
+            said = (
+                f"weights ({what}) and output computed together by the "
+                f"{kernels.describe(query, key, value, alignment, weights=True)}{backward}"
+            )
+        elif (batches, heads, rows) == (B, H, L):
             group = f", each kv group's {H // Hkv} query heads as rows of its kv head"
             said = (
                 f"weights ({what}) and output computed together in one block (the whole "
@@ -253,8 +267,9 @@ def _choose(
         else:
             said = (
                 f"weights ({what}) and output computed together in blocks of {heads} head(s) "
-                f"x {rows} query rows, written in place: extra memory one block, not (B, H, L, "
-                f"S){backward}"
+                f"x {rows} query rows in torch ops (not the C++ blocked kernel: "
+                f"{native_weights(query, key, value, attn_mask, average)}), written in place: "
+                f"extra memory one block, not (B, H, L, S){backward}"
             )
         return Dispatch("weights", (said,))
     measured = None  # why torch's kernel trains this call, when measured faster

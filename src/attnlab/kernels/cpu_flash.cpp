@@ -306,16 +306,30 @@ void weights_row(const Params& p, const in_t* srow, out_t* prow, int64_t N, int6
   stats[row * p.sw + 1] = std::log(total);
 }
 
+// Row `row` of the (B, H, L, S) weights, when a caller asked for them (else nullptr).
+template <typename T>
+inline T* weights_of(T* weights, const Params& p, int64_t row) {
+  return weights == nullptr ? nullptr : weights + row * p.S;
+}
+
+// The weights rows of a dead block (no key visible): 0.
+template <typename T>
+inline void zero_weights(T* weights, const Params& p, int64_t row0, int64_t R) {
+  if (weights != nullptr) std::fill(weights + row0 * p.S, weights + (row0 + R) * p.S, T(0.f));
+}
+
 // A block: query rows r0:r1 of the G heads of the nb groups (batch row, kv head) g0:g0+nb,
 // against keys 0:N. q3 (B*Hkv, G*L, E), k3 (B*Hkv, S, E), v3 (B*Hkv, S, Ev), out3 like q3.
+// weights: the (B, H, L, S) weights W, written row by row as they are made, or nullptr.
 template <typename mm_t>
 void forward_block(const Params& p, const Tensor& q3, const Tensor& k3, const Tensor& v3,
                    Tensor& out3, float* stats, int64_t g0, int64_t nb, int64_t r0, int64_t r1,
-                   Scratch& sc) {
+                   Scratch& sc, mm_t* weights) {
   const int64_t G = p.G, R = r1 - r0, M = G * R, N = block_keys(p, r1);
   const auto mm = q3.scalar_type();
   if (N <= 0) {  // every row before the first key: dead (stats were set so)
     rows_of(out3, G, g0, nb, r0, R).zero_();
+    for (int64_t x = 0; x < nb * G; ++x) zero_weights(weights, p, (g0 * G + x) * p.L + r0, R);
     return;
   }
   Tensor qb = gather_rows(q3, G, g0, nb, r0, R, buffer(sc.q, nb * M * p.E, mm));
@@ -331,7 +345,12 @@ void forward_block(const Params& p, const Tensor& q3, const Tensor& k3, const Te
   mm_t* p_ptr = pm.data_ptr<mm_t>();
   for (int64_t r = 0; r < nb * M; ++r) {
     const int64_t gi = g0 + r / M, g = (r % M) / R, i = r0 + r % R;
-    weights_row<mm_t, mm_t>(p, s_ptr + r * N, p_ptr + r * N, N, N, gi, g, i, t, keep, words, stats);
+    mm_t* prow = p_ptr + r * N;
+    weights_row<mm_t, mm_t>(p, s_ptr + r * N, prow, N, N, gi, g, i, t, keep, words, stats);
+    if (mm_t* wrow = weights_of(weights, p, (gi * G + g) * p.L + i)) {  // (h = j G + g)
+      std::copy(prow, prow + N, wrow);
+      std::fill(wrow + N, wrow + p.S, mm_t(0.f));  // (keys past the causal limit)
+    }
   }
   Tensor vb = v3.narrow(0, g0, nb).narrow(1, 0, N);
   if (R == p.L) {  // the block's output rows are contiguous in out3
@@ -549,9 +568,19 @@ std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
                             const c10::optional<Tensor>& mask, bool causal, int64_t offset,
                             double scale, int64_t rows, int64_t per_block, int64_t width,
                             int64_t dropped, double keep, int64_t seed, int64_t threads,
-                            bool brgemm, bool exact) {
+                            bool brgemm, bool exact, const c10::optional<Tensor>& weights) {
   Params p = make_params(q5, k, v, mask, offset, causal, scale, rows, width, dropped, keep, seed);
   const int64_t groups = p.B * p.Hkv;
+  void* w = nullptr;  // the caller's (B, Hkv, G, L, S) weights, written as the blocks make them
+  if (weights.has_value() && weights->defined()) {
+    const Tensor& wt = *weights;
+    TORCH_CHECK(!p.dropout, "attnlab cpu_flash: weights are returned without dropout");
+    TORCH_CHECK(wt.is_contiguous() && wt.scalar_type() == q5.scalar_type() &&
+                    wt.sizes() == at::IntArrayRef({p.B, p.Hkv, p.G, p.L, p.S}),
+                "attnlab cpu_flash: weights as a contiguous (B, Hkv, G, L, S) tensor of the "
+                "products' dtype");
+    w = wt.data_ptr();
+  }
   // (a copy only where the heads are not laid out as (B*Hkv, G*L, E): views of projections)
   Tensor q3 = q5.reshape({groups, p.G * p.L, p.E});
   Tensor k3 = k.reshape({groups, p.S, p.E}), v3 = v.reshape({groups, p.S, p.Ev});
@@ -568,7 +597,7 @@ std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
       using mm_t = decltype(zero);
       run_tasks(groups * parts, threads, [&](int64_t task, Scratch& sc) {
         forward_group_brgemm<mm_t>(p, q3, k3, v3, out3, st, task / parts, task % parts, parts,
-                                   sc);
+                                   sc, static_cast<mm_t*>(w));
         cb::brgemm_release(kPairs<mm_t>);
       });
     });
@@ -589,7 +618,7 @@ std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
     run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
       const int64_t g0 = (task / row_blocks) * nb, r0 = (task % row_blocks) * p.rows;
       forward_block<mm_t>(p, q3, k3, v3, out3, st, g0, std::min(nb, groups - g0), r0,
-                          std::min(p.L, r0 + p.rows), sc);
+                          std::min(p.L, r0 + p.rows), sc, static_cast<mm_t*>(w));
     });
   });
   return {out3.view({p.B, p.Hkv, p.G, p.L, p.Ev}), stats};
@@ -675,7 +704,8 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // (the GIL released: other Python threads run meanwhile)
-  m.def("forward", &forward, "blocked attention forward: (out, stats)",
+  m.def("forward", &forward, "blocked attention forward: (out, stats), and the weights into "
+        "`weights` where given",
         py::call_guard<py::gil_scoped_release>());
   m.def("backward", &backward, "blocked attention backward: (dq, dk, dv)",
         py::call_guard<py::gil_scoped_release>());

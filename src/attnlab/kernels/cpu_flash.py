@@ -137,9 +137,10 @@ def supports(q, k, v, mask, dropout_p) -> str | None:
     return None
 
 
-def describe(q, k, v, alignment) -> str:
+def describe(q, k, v, alignment, weights=False) -> str:
     """The tiling of a call in one line (for ``explain()``), and which implementation runs it:
-    the C++ one, or these blocks in torch ops and why."""
+    the C++ one, or these blocks in torch ops and why; ``weights``: a call of
+    :func:`forward_with_weights` (the C++ kernel's, which writes the weights)."""
     plan = _Plan(q, k, v, None, alignment, 1.0, 0.0, 0)
     products = "bfloat16" if plan.mm_dtype == torch.bfloat16 else "float32"
     # (a trace cannot read the thread count: the graph runs with the caller's)
@@ -148,18 +149,22 @@ def describe(q, k, v, alignment) -> str:
         if cpu_flash_native.threads() != torch.get_num_threads():
             threads = "1 (a forked child: OpenMP's threads do not survive fork)"
         rows, groups = plan.native_args()[4:6]
-        saves = "log-sum-exp"
+        saves = "saves the row log-sum-exp"
         blocks = f"{plan.G}*{rows} query rows of {groups} kv head(s) x every visible key"
         if plan.brgemm():  # (a head's rows per block; the backward's keys in chunks)
             blocks = f"{rows} query rows of one head x every visible key (backward: 512 keys)"
             products += " (oneDNN brgemm: float32 scores and sums)"
             saves += " (and, for a backward, float32 output)"
+        saves += ", not the weights"
+        if weights:  # (the backward's chunks are not this call's)
+            blocks = blocks.split(" (backward")[0]
+            saves = "writes each block's weights as it makes them"
         elif plan.mm_dtype == torch.bfloat16:
             why = "odd head dims" if plan.E % 2 or plan.Ev % 2 else "no brgemm for this CPU"
             products += f" (at::bmm; {why})"
         return (
             f"blocked CPU kernel (C++, cpu_flash.cpp): {blocks} per block, {products} "
-            f"products, {threads} thread(s); saves the row {saves}, not the weights"
+            f"products, {threads} thread(s); {saves}"
         )
     if plan.mm_dtype == torch.float64:
         why = "float64"
@@ -206,6 +211,36 @@ def flash_attention(q, k, v, mask, alignment, scale, dropout_p, generator=None):
     return _FlashAttention.apply(
         q, k, v, mask, alignment, scale, dropout_p, seed, native_ok, exact
     )[0]
+
+
+def weights_unfit(q, k, v, mask) -> str | None:
+    """None when :func:`forward_with_weights` serves this call (the C++ kernel, inputs of its
+    products' dtype), else why not, in one line."""
+    why = supports(q, k, v, mask, 0.0)
+    if why is not None:
+        return why
+    if q.dtype != _products_dtype(q.dtype):
+        return f"{q.dtype} on this CPU: its products are float32, the weights {q.dtype}"
+    if _under_torch_func() or torch.compiler.is_compiling():
+        return "traced or transformed (the C++ kernel is not an operator that returns weights)"
+    return cpu_flash_native.unavailable()
+
+
+@torch.no_grad()
+def forward_with_weights(q, k, v, mask, alignment, scale, weights):
+    """The C++ kernel's forward, writing each block's weights ``W = softmax(s Q K^T + M)`` into
+    ``weights`` (B, H, L, S), contiguous, of q's dtype, as it makes them (no pass of its own):
+    -> out (B, H, L, Ev), stats (B, H, L, 2): each row's max score and the log of its sum of
+    exponentials (natural units; +inf and 0 for a row with no key). Rows with no attendable key
+    get weights and output 0. Only where :func:`weights_unfit` says None."""
+    plan = _Plan(q, k, v, mask, alignment, scale, 0.0, 0)
+    plan.load(q, k, v)
+    B, Hkv, G, L, S = plan.B, plan.Hkv, plan.G, plan.L, plan.S
+    with torch.autocast("cpu", enabled=False):
+        out, stats = plan.native().forward(
+            plan.q, plan.k, plan.v, *plan.native_args(), False, weights.view(B, Hkv, G, L, S)
+        )
+    return out.view(B, plan.H, L, plan.Ev), stats.view(B, plan.H, L, 2)
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -554,7 +589,7 @@ def _forward(q, k, v, mask, alignment, scale, dropout_p, seed, native_ok=True, e
     native = plan.native() if native_ok else None
     if native is not None:
         with torch.autocast("cpu", enabled=False):
-            out, stats = native.forward(plan.q, plan.k, plan.v, *plan.native_args(), exact)
+            out, stats = native.forward(plan.q, plan.k, plan.v, *plan.native_args(), exact, None)
         return out.view(B, plan.H, L, plan.Ev).to(q.dtype), stats.view(B, plan.H, L, -1)
     out = q.new_empty(B, Hkv, G, L, plan.Ev)
     stats = torch.zeros(B, Hkv, G, L, 2, dtype=plan.dtype)

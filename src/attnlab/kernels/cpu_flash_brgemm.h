@@ -443,10 +443,10 @@ inline __mmask16 lanes(int64_t R, int v) {  // lanes of vector v below R
 
 // Forward: each column's softmax (exponentials in place of the scores), the rows' stats, and
 // P^T Z / rho: for 16-bit products packed for brgemm (key pairs interleaved) into out, for
-// float32 ones in place of the exponentials.
+// float32 ones in place of the exponentials. norm_out: each row's 1 / l (0 for a dead row).
 template <typename T, int NV>
 void softmax_cols(const Params& p, float* st, const Block& b, float unit, float* stats,
-                  void* draws, void* out) {
+                  void* draws, void* out, float* norm_out) {
   const int64_t N = b.N, Rs = 16 * NV;
   __m512 m[NV], total[NV];
   for (int v = 0; v < NV; ++v) m[v] = _mm512_set1_ps(-kInf);
@@ -485,6 +485,7 @@ void softmax_cols(const Params& p, float* st, const Block& b, float unit, float*
     norm[i] = tf[i] == 0.f ? 0.f : 1.f / tf[i];  // (NaN stays NaN)
   }
   std::fill(norm + b.R, norm + Rs, 0.f);
+  std::copy(norm, norm + b.R, norm_out);
   if (p.dropout) {
     Draws d(draws, p, b);
     drop_cols(p, st, b, d);
@@ -587,12 +588,64 @@ void for_vectors(int nv, F f) {
   }
 }
 
+inline int64_t kBufLd(int64_t N) { return (N + 15) / 16 * 16 + 16; }
+
+// y[0:n] = x[0:n], y's whole 64-byte lines written around the cache (the weights are a large
+// result, not read again here: no line read for ownership first).
+inline void stream_row(const float* x, float* y, int64_t n) {
+  int64_t c = 0;
+  for (; c < n && reinterpret_cast<uintptr_t>(y + c) % 64 != 0; ++c) y[c] = x[c];
+  for (; c + 16 <= n; c += 16) _mm512_stream_ps(y + c, _mm512_loadu_ps(x + c));
+  for (; c < n; ++c) y[c] = x[c];
+}
+
+// y[0:n] = x[0:n] * scale rounded to bfloat16 as store_bf16 rounds, whole lines streamed.
+inline void stream_row(const float* x, bf16* y, int64_t n, float scale) {
+  int64_t c = 0;
+  while (c < n && reinterpret_cast<uintptr_t>(y + c) % 64 != 0) ++c;
+  store_bf16(x, y, std::min(c, n), scale);
+  const __m512 s = _mm512_set1_ps(scale);
+  for (; c + 32 <= n; c += 32) {
+    const __m256bh lo = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + c), s));
+    const __m256bh hi = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + c + 16), s));
+    const __m512i both = _mm512_inserti64x4(
+        _mm512_castsi256_si512(reinterpret_cast<const __m256i&>(lo)),
+        reinterpret_cast<const __m256i&>(hi), 1);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(y + c), both);
+  }
+  store_bf16(x + c, y + c, n - c, scale);
+}
+
+// A block's weights W (R rows of the (B, H, L, S) weights from `rows`; 0 past its N keys)
+// from St after softmax_cols: for float32 products St holds W^T, transposed here; for bfloat16
+// ones the exponentials, transposed into `buf` (R x N floats) and scaled by each row's 1 / l
+// as they are rounded (as pack_rows rounds the product's W).
+template <typename T>
+void store_weights(const Params& p, const float* st, const Block& b, const float* norm,
+                   T* rows, float* buf) {
+  const int64_t N = b.N, R = b.R, S = p.S, ld = kBufLd(N);
+  for (int64_t i0 = 0; i0 < R; i0 += 16) {  // 16 rows at a time: buf stays in L1 / L2
+    const int64_t n = std::min<int64_t>(16, R - i0);
+    transpose(st + i0, N, n, b.Rs, buf, ld);
+    for (int64_t i = 0; i < n; ++i) {
+      T* row = rows + (i0 + i) * S;
+      if constexpr (std::is_same_v<T, float>) {
+        stream_row(buf + i * ld, row, N);
+      } else {
+        stream_row(buf + i * ld, row, N, norm[i0 + i]);
+      }
+      std::fill(row + N, row + S, T(0.f));
+    }
+  }
+}
+
 // Rows r0:r0+R of every head of group gi (batch row, kv head), r0 = first, first + stride, ...
-// blocks of p.rows (<= 64): V^T made once for all of them.
+// blocks of p.rows (<= 64): V^T made once for all of them. weights: the (B, H, L, S) weights
+// to write, or nullptr.
 template <typename T>
 void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, const Tensor& v3,
                           Tensor& out3, float* stats, int64_t gi, int64_t first, int64_t stride,
-                          Scratch& sc) {
+                          Scratch& sc, T* weights) {
   const int64_t G = p.G, L = p.L, S = p.S, E = p.E, Ev = p.Ev, ld = even(S), rows = p.rows;
   const int64_t rows_s = (rows + 15) / 16 * 16;
   const T* q = q3.data_ptr<T>() + gi * q3.stride(0);
@@ -610,6 +663,11 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
   float* ot = static_cast<float*>(sc.o.get(Ev * rows * sizeof(float)));
   float* o = static_cast<float*>(sc.pf.get(rows * Ev * sizeof(float)));
   void* draws = sc.t.get(Draws::bytes(rows_s));
+  alignas(64) float norm[64];
+  // (bfloat16 weights: a block's W rows in float32 before their rounding)
+  float* wbuf = weights != nullptr
+                    ? static_cast<float*>(sc.w.get(16 * kBufLd(S) * sizeof(float)))
+                    : nullptr;
   for (int64_t r0 = first * rows; r0 < L; r0 += stride * rows) {
     const int64_t R = std::min(L, r0 + rows) - r0, N = block_keys(p, r0 + R);
     for (int64_t g = 0; g < G; ++g) {
@@ -621,6 +679,7 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
           std::fill(s2, s2 + p.sw, 0.f);
           s2[0] = kInf;
         }
+        zero_weights(weights, p, (gi * G + g) * L + r0, R);
         continue;
       }
       const Block b{N, R, (R + 15) / 16 * 16, gi, g, r0, (gi * G + g) * L + r0};
@@ -630,8 +689,9 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
         for (int64_t c = 0; c < N; ++c) std::fill(st + c * b.Rs + R, st + (c + 1) * b.Rs, 0.f);
       const float unit = scores_cols(p, st, b);
       for_vectors(b.nv(), [&](auto nv) {
-        softmax_cols<T, decltype(nv)::value>(p, st, b, unit, stats, draws, pt_p);
+        softmax_cols<T, decltype(nv)::value>(p, st, b, unit, stats, draws, pt_p, norm);
       });
+      if (T* wrows = weights_of(weights, p, b.row0)) store_weights(p, st, b, norm, wrows, wbuf);
       {
         std::optional<HiddenColumn> hidden;  // P^T Z / rho: packed bfloat16, or St's rows
         if constexpr (kPairs<T>) {
@@ -648,6 +708,7 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
           std::copy(o + i * Ev, o + (i + 1) * Ev, stats + (b.row0 + i) * p.sw + 2);
     }
   }
+  if (weights != nullptr) _mm_sfence();  // (the streamed weights seen by every thread after)
 }
 
 // Keys per chunk of the backward: a chunk's dK, dV sums (float32) and its rows' St, dP^T stay

@@ -1,0 +1,177 @@
+"""Weights on demand from the C++ blocked kernel (cpu_flash.cpp): each block writes its rows of
+the (B, H, L, S) weights as it makes them (issue 10, item 3).
+
+Against the float64 oracle, within twice the error of a same-dtype naive control; through both
+of the kernel's product paths (oneDNN's brgemm where this CPU has it, and at::bmm), on one and
+two threads, with blocks of rows that see no key at all (their rows of the weights must still
+be written: 0), GQA, masks, both causal alignments; and where it does not serve, the torch-ops
+blocks, with ``explain()`` saying which.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import attnlab.functional as AF
+import attnlab.functional._weights as W
+import attnlab.kernels.cpu_flash as cf
+from attnlab import reference as R
+from attnlab.kernels import cpu_flash_native
+from conftest import naive_sdpa, np64
+
+# (B, H, Hkv, L, S, E, Ev): several row blocks of 16 and a tail, L != S, GQA, one kv head
+SHAPES = [(2, 4, 2, 37, 29, 16, 8), (1, 3, 1, 70, 50, 8, 8), (3, 2, 2, 9, 41, 32, 16)]
+
+
+@pytest.fixture(autouse=True)
+def blocked(monkeypatch):
+    """The blocked weights path (not the one-block path of decoding), in row blocks of 16."""
+    assert cpu_flash_native.module() is not None, cpu_flash_native.unavailable()
+    monkeypatch.setattr(W, "WEIGHTS_BLOCK_BYTES", 1)
+    monkeypatch.setattr(cf, "BLOCK_ROWS", 16)
+    monkeypatch.setattr(cf, "BRGEMM_ROWS", 16)
+
+
+def backend_on(monkeypatch, backend, dtype):
+    if backend == "at::bmm":
+        monkeypatch.setattr(cpu_flash_native, "brgemm", lambda dtype=None: False)
+    elif not cpu_flash_native.brgemm(dtype):
+        pytest.skip(f"no {dtype} brgemm in this build or on this CPU: at::bmm serves")
+    if dtype == torch.bfloat16 and not cf.native_bf16():
+        pytest.skip("bfloat16 products are float32 on this CPU: the torch-ops blocks serve")
+
+
+def case(shape, mask_kind, dtype, seed=0):
+    B, H, Hkv, L, S, E, Ev = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, E, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Hkv, S, E, generator=g, dtype=torch.float64)
+    v = torch.randn(B, Hkv, S, Ev, generator=g, dtype=torch.float64)
+    mask = None
+    if mask_kind == "bool":  # a row that sees no key in each batch row
+        mask = torch.rand(B, 1, L, S, generator=g) > 0.3
+        mask[:, :, 3] = False
+    elif mask_kind == "bias":  # a float mask, -inf on some keys
+        mask = torch.randn(B, H, 1, S, generator=g).masked_fill(
+            torch.rand(B, H, 1, S) < 0.2, -np.inf
+        )
+    x = [t.to(dtype) for t in (q, k, v)]
+    return x, None if mask is None else (mask if mask.dtype == torch.bool else mask.to(dtype))
+
+
+@pytest.mark.parametrize("backend", ["brgemm", "at::bmm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(
+    "mask_kind,causal", [(None, False), ("bool", "bottom_right"), ("bias", "top_left")]
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_kernels_weights_equal_the_oracle(
+    monkeypatch, backend, dtype, shape, mask_kind, causal, threads
+):
+    backend_on(monkeypatch, backend, dtype)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    (q, k, v), mask = case(shape, mask_kind, dtype)
+    said = str(AF.explain(q, k, v, mask, is_causal=causal, return_weights=True))
+    assert "blocked CPU kernel (C++" in said and "writes each block's weights" in said
+    assert ("brgemm" in said) == (backend == "brgemm")
+    stale = torch.full((shape[0], shape[1], shape[3], shape[4]), float("nan"), dtype=dtype)
+    with torch.no_grad():  # into a buffer of NaN: every entry must be written
+        out, w = AF.scaled_dot_product_attention(
+            q, k, v, mask, is_causal=causal, return_weights=True, weights_out=stale
+        )
+    want_out, want_w = R.scaled_dot_product_attention(
+        np64(q), np64(k), np64(v), np64(mask), is_causal=causal, return_weights=True
+    )
+    if dtype == torch.float32:  # float32 rounding of a few dozen operations
+        tol_w, tol_out = 2e-6, 4e-6
+    else:  # twice the error of the naive formula in bfloat16 (the FlashAttention test rule)
+        L, S = shape[3], shape[4]
+        keep = torch.ones(L, S, dtype=torch.bool)
+        if causal:
+            offset = S - L if causal == "bottom_right" else 0
+            keep = torch.ones(L, S, dtype=torch.bool).tril(offset)
+        full = (
+            keep
+            if mask is None
+            else (mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, -np.inf))
+        )
+        control = naive_sdpa(q, k, v, full)
+        tol_out = 2 * np.abs(np64(control) - want_out).max() + 1e-6
+        s = (q @ k.repeat_interleave(shape[1] // shape[2], 1).transpose(-2, -1)) * shape[5] ** -0.5
+        s = s.masked_fill(~full, -np.inf) if full.dtype == torch.bool else s + full
+        tol_w = 2 * np.abs(np64(torch.softmax(s, -1).nan_to_num(0)) - want_w).max() + 1e-6
+    np.testing.assert_allclose(np64(w), want_w, rtol=0, atol=tol_w)
+    np.testing.assert_allclose(np64(out), want_out, rtol=0, atol=tol_out)
+    dead = ~np.isfinite(want_w).all(-1) | (want_w.sum(-1) == 0)
+    assert (np64(w)[dead] == 0).all()  # rows with no key: 0, not NaN, not stale
+
+
+@pytest.mark.parametrize("backend", ["brgemm", "at::bmm"])
+def test_row_blocks_that_see_no_key_write_zeros(monkeypatch, backend):
+    """Bottom-right causal with L > S: the first L - S rows see no key, whole row blocks of
+    them; the kernel skips their products but must still write their weights."""
+    backend_on(monkeypatch, backend, torch.float32)
+    (q, k, v), _ = case((1, 2, 1, 60, 12, 8, 8), None, torch.float32)
+    buf = torch.full((1, 2, 60, 12), 5.0)
+    with torch.no_grad():
+        out, w = AF.scaled_dot_product_attention(
+            q, k, v, is_causal="bottom_right", return_weights=True, weights_out=buf
+        )
+    assert (w[:, :, :48] == 0).all() and (out[:, :, :48] == 0).all()
+    torch.testing.assert_close(w[:, :, 48:].sum(-1), torch.ones(1, 2, 12))
+
+
+def test_the_row_log_sum_exp_for_the_backward(monkeypatch):
+    """Weights with autograd: the forward's stats give each row's log-sum-exp (-inf where a row
+    sees no key), as the torch-ops blocks gave it."""
+    (q, k, v), mask = case(SHAPES[0], "bool", torch.float32)
+    B, H, L, _ = q.shape
+    lse = torch.empty(B, H, L)
+    W.weights_in_blocks(q, k, v, mask, "top_left", 0.3, False, lse=lse)
+    s = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-2, -1)) * 0.3
+    keep = mask & torch.ones(L, k.shape[2], dtype=torch.bool).tril()
+    want = torch.logsumexp(s.masked_fill(~keep, -np.inf), -1)
+    assert (lse[want == -np.inf] == -np.inf).all() and (want == -np.inf).any()
+    torch.testing.assert_close(lse.double(), want, rtol=0, atol=1e-5)
+
+
+def test_gradients_through_the_kernels_weights(monkeypatch):
+    """return_weights=True with autograd: forward by the C++ kernel, backward by the blocks
+    reading the weights it wrote; against autograd of the readable formula in float64."""
+    (q, k, v), mask = case(SHAPES[1], "bool", torch.float32, seed=3)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    said = str(AF.explain(q, k, v, mask, is_causal="bottom_right", return_weights=True))
+    assert "blocked CPU kernel (C++" in said and "backward reads the returned weights" in said
+    out, w = AF.scaled_dot_product_attention(
+        q, k, v, mask, is_causal="bottom_right", return_weights=True
+    )
+    up_o, up_w = torch.randn_like(out), torch.randn_like(w)
+    grads = torch.autograd.grad((out * up_o).sum() + (w * up_w).sum(), (q, k, v))
+    x = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want_o, want_w = AF.scaled_dot_product_attention(
+        *x, mask, is_causal="bottom_right", return_weights=True
+    )
+    want = torch.autograd.grad((want_o * up_o).sum() + (want_w * up_w).sum(), x)
+    for got, ref in zip(grads, want, strict=True):
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-5)
+
+
+def test_where_the_kernel_does_not_serve_the_torch_ops_blocks_do_and_say_why(monkeypatch):
+    (q, k, v), mask = case(SHAPES[0], "bool", torch.float32)
+    want = AF.scaled_dot_product_attention(q, k, v, mask, return_weights=True)
+    for x, why in (
+        ((q.half(), k.half(), v.half()), "torch.float16 on this CPU: its products are float32"),
+        ((q, k, v), "averaged weights"),
+    ):
+        rw = "average" if why == "averaged weights" else True
+        said = str(AF.explain(*x, mask, return_weights=rw))
+        assert f"in torch ops (not the C++ blocked kernel: {why}" in said
+    monkeypatch.setattr(cpu_flash_native, "_state", {"why": "ATTNLAB_CPU_NATIVE=0"})
+    said = str(AF.explain(q, k, v, mask, return_weights=True))
+    assert "not the C++ blocked kernel: ATTNLAB_CPU_NATIVE=0" in said
+    got = AF.scaled_dot_product_attention(q, k, v, mask, return_weights=True)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
