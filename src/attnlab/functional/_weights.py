@@ -143,11 +143,8 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
         alignment = None  # the last position sees every key
     if block_shape(H, L, S, q.element_size(), B=B) == (B, H, L):
         return _one_block(q * scale, k, v, mask, alignment, average, out, weights, lse)
-    if native(q, k, v, mask, average) is None:  # the C++ kernel's blocks write them
-        out, stats = cpu_flash.forward_with_weights(q, k, v, mask, alignment, scale, weights)
-        if lse is not None:  # (m + log l; -inf for a row with no key, whose m is +inf)
-            lse.copy_(stats.sum(-1).masked_fill_(stats[..., 0] == inf, -inf))
-        return out, weights
+    if lse is None and native(q, k, v, mask, average) is None:  # the C++ kernel's blocks
+        return cpu_flash.forward_with_weights(q, k, v, mask, alignment, scale, weights)[0], weights
     qs = q * scale
     if average:
         weights.zero_()  # the blocks add into it
@@ -234,21 +231,42 @@ class WeightsAttention(torch.autograd.Function):
     ``apply(q, k, v, mask, alignment, scale, average) -> (out, weights)``; the mask (bool or a
     bias) takes no gradient. Saves Q, K, V, O, the row log-sum-exp and the per-head weights it
     returns; averaged, the backward recomputes each block's weights (see the module docstring).
+    Where the C++ kernel serves (:func:`native`), it runs both ways: its forward writes the
+    weights, its backward recomputes each block's from the row statistics and adds the weights'
+    gradient to ``dO V^T`` (:func:`attnlab.kernels.cpu_flash.backward_with_weights`).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, mask, alignment, scale, average):
         B, H, L, _ = q.shape
+        ctx.alignment, ctx.scale, ctx.average = alignment, scale, average
+        ctx.native = (
+            block_shape(H, L, k.shape[2], q.element_size(), B=B) != (B, H, L)
+            and native(q, k, v, mask, average) is None
+        )
+        if ctx.native:  # the C++ kernel's blocks, forward and backward
+            weights = _memory.empty(B, H, L, k.shape[2], like=q)
+            out, stats = cpu_flash.forward_with_weights(q, k, v, mask, alignment, scale, weights)
+            ctx.save_for_backward(q, k, v, stats, mask, weights)
+            return out, weights
         lse = q.new_empty(B, H, L, dtype=torch.promote_types(q.dtype, torch.float32))
         out, weights = weights_in_blocks(q, k, v, mask, alignment, scale, average, lse=lse)
         # per head, the weights the caller holds are the backward's w: saved, not recomputed
         # (an in-place change to them then fails the backward loudly, as torch.softmax's does)
         ctx.save_for_backward(q, k, v, out, lse, mask, None if average else weights)
-        ctx.alignment, ctx.scale, ctx.average = alignment, scale, average
         return out, weights
 
     @staticmethod
     def backward(ctx, d_out, d_weights):
+        if ctx.native:
+            q, k, v, stats, mask, _ = ctx.saved_tensors  # (the weights: saved, so that an
+            # in-place change to them fails the backward loudly, as on the other path)
+            if d_out is None:  # only the weights were used
+                d_out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+            grads = cpu_flash.backward_with_weights(
+                d_out, q, k, v, stats, mask, ctx.alignment, ctx.scale, d_weights
+            )
+            return *grads, None, None, None, None
         q, k, v, out, lse, mask, weights = ctx.saved_tensors
         scale, average = ctx.scale, ctx.average
         H = q.shape[1]

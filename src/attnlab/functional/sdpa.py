@@ -254,6 +254,11 @@ def _choose(
         if (batches, heads, rows) != (B, H, L) and native_weights(
             query, key, value, attn_mask, average
         ) is None:
+            if grad:
+                backward = (
+                    "; with autograd: the backward by the same kernel's at::bmm blocks, the "
+                    "weights' gradient added to dO V^T"
+                )
             said = (
                 f"weights ({what}) and output computed together by the "
                 f"{kernels.describe(query, key, value, alignment, weights=True)}{backward}"

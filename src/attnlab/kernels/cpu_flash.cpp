@@ -400,12 +400,27 @@ void score_grad_row(const dp_t* dprow, float* wrow, const float* prow, int64_t n
   for (int64_t c = 0; c < n; ++c) wrow[c] = wrow[c] * static_cast<float>(dprow[c]) - prow[c] * d;
 }
 
+// A (B, Hkv, G, L, S) float32 tensor read through its strides (a gradient that autograd
+// broadcast, as the gradient of a sum, is never materialised); data nullptr: none.
+struct Strided {
+  const float* data = nullptr;
+  int64_t stride[5] = {0, 0, 0, 0, 0};
+  // row i of head g of group gi (b * Hkv + j)
+  const float* row(const Params& p, int64_t gi, int64_t g, int64_t i) const {
+    return data + (gi / p.Hkv) * stride[0] + (gi % p.Hkv) * stride[1] + g * stride[2] +
+           i * stride[3];
+  }
+};
+
 // dQ of groups g0:g0+nb, and their dK, dV summed over row blocks first, first + stride, ...
-// into dk3, dv3 (float32, (B*Hkv, S, E), (B*Hkv, S, Ev)).
+// into dk3, dv3 (float32, (B*Hkv, S, E), (B*Hkv, S, Ev)). dw: the gradient reaching the
+// weights a caller was given, or none: added to each row's dP (dW = dO V^T + dW_user), so
+// that D = sum_j W_j dW_j holds both (each block's rows are whole).
 template <typename mm_t>
 void backward_group(const Params& p, const Tensor& do3, const Tensor& q3, const Tensor& k3,
                     const Tensor& v3, const float* stats, Tensor& dq3, Tensor& dk3, Tensor& dv3,
-                    int64_t g0, int64_t nb, int64_t first, int64_t stride, Scratch& sc) {
+                    int64_t g0, int64_t nb, int64_t first, int64_t stride, Scratch& sc,
+                    const Strided& dw) {
   const int64_t G = p.G;
   const auto mm = q3.scalar_type();
   const bool wide = mm != at::kFloat;  // 16-bit products
@@ -459,9 +474,19 @@ void backward_group(const Params& p, const Tensor& do3, const Tensor& q3, const 
     }
     Tensor dp = view3(buffer(sc.dp, nb * M * N, mm), nb, M, N);
     at::bmm_out(dp, dob, vb.transpose(1, 2));
-    const mm_t* dp_ptr = dp.data_ptr<mm_t>();
+    mm_t* dp_ptr = dp.data_ptr<mm_t>();
     for (int64_t r = 0; r < nb * M; ++r) {  // dS = W dP - P D, in place of W
       float* wrow = w_ptr + r * N;
+      if (dw.data != nullptr) {  // (float32 products only: mm_t is float)
+        const float* user = dw.row(p, g0 + r / M, (r % M) / R, r0 + r % R);
+        mm_t* dprow = dp_ptr + r * N;
+        const int64_t across = dw.stride[4];
+        if (across == 1) {
+          for (int64_t c = 0; c < visible[r]; ++c) dprow[c] += user[c];
+        } else {
+          for (int64_t c = 0; c < visible[r]; ++c) dprow[c] += user[c * across];
+        }
+      }
       score_grad_row(dp_ptr + r * N, wrow, p_ptr + r * N, visible[r]);
       if (wide) std::copy(wrow, wrow + N, wm_ptr + r * N);  // (a dead row's W is 0, so is dS)
     }
@@ -629,9 +654,20 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
                              const c10::optional<Tensor>& mask, bool causal, int64_t offset,
                              double scale, int64_t rows, int64_t per_block, int64_t width,
                              int64_t dropped, double keep, int64_t seed, int64_t threads,
-                             bool brgemm) {
+                             bool brgemm, const c10::optional<Tensor>& d_weights) {
   Params p = make_params(q5, k, v, mask, offset, causal, scale, rows, width, dropped, keep, seed);
   TORCH_CHECK(stats.is_contiguous() && stats.scalar_type() == at::kFloat, "stats float32");
+  Strided dw;  // the gradient of the weights a caller was given, if any
+  if (d_weights.has_value() && d_weights->defined()) {
+    const Tensor& g = *d_weights;
+    TORCH_CHECK(!brgemm && !p.dropout && q5.scalar_type() == at::kFloat &&
+                    g.scalar_type() == at::kFloat &&
+                    g.sizes() == at::IntArrayRef({p.B, p.Hkv, p.G, p.L, p.S}),
+                "attnlab cpu_flash: the weights' gradient takes the at::bmm blocks, float32 "
+                "products, no dropout, as a (B, Hkv, G, L, S) float32 tensor");
+    dw.data = g.data_ptr<float>();
+    for (int d = 0; d < 5; ++d) dw.stride[d] = g.stride(d);  // (0 where it broadcasts)
+  }
   const int64_t groups = p.B * p.Hkv;
   Tensor q3 = q5.reshape({groups, p.G * p.L, p.E}), do3 = do5.reshape({groups, p.G * p.L, p.Ev});
   Tensor k3 = k.reshape({groups, p.S, p.E}), v3 = v.reshape({groups, p.S, p.Ev});
@@ -689,7 +725,7 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
       Tensor dk_t = parts > 1 ? dk_parts.select(0, part) : dk3;
       Tensor dv_t = parts > 1 ? dv_parts.select(0, part) : dv3;
       backward_group<mm_t>(p, do3, q3, k3, v3, st, dq3, dk_t, dv_t, g0,
-                           std::min(nb, groups - g0), part, parts, sc);
+                           std::min(nb, groups - g0), part, parts, sc, dw);
     });
   });
   if (parts > 1) {
@@ -707,7 +743,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "blocked attention forward: (out, stats), and the weights into "
         "`weights` where given",
         py::call_guard<py::gil_scoped_release>());
-  m.def("backward", &backward, "blocked attention backward: (dq, dk, dv)",
+  m.def("backward", &backward, "blocked attention backward: (dq, dk, dv), with the weights' "
+        "gradient `d_weights` where given",
         py::call_guard<py::gil_scoped_release>());
   m.def("brgemm_available", &brgemm_available,
         "whether bfloat16 products may go through oneDNN's brgemm (packed B) on this CPU");

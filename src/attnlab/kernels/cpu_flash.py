@@ -243,6 +243,25 @@ def forward_with_weights(q, k, v, mask, alignment, scale, weights):
     return out.view(B, plan.H, L, plan.Ev), stats.view(B, plan.H, L, 2)
 
 
+@torch.no_grad()
+def backward_with_weights(dout, q, k, v, stats, mask, alignment, scale, d_weights):
+    """(dq, dk, dv) of :func:`forward_with_weights`'s output and weights, float32: its blocks
+    again (the at::bmm ones: whole rows, so each row's ``D = sum_j W_j (dP_j + dW_j)`` is summed
+    in the block), the weights' gradient ``d_weights`` (B, H, L, S) or None added to ``dP``."""
+    plan = _Plan(q, k, v, mask, alignment, scale, 0.0, 0)
+    plan.load(q, k, v)
+    B, Hkv, G, L, S, E, Ev = plan.B, plan.Hkv, plan.G, plan.L, plan.S, plan.E, plan.Ev
+    do = dout.to(plan.mm_dtype).reshape(B, Hkv, G, L, Ev)
+    # (read through its strides: a broadcast gradient, as a sum's, is not materialised)
+    dw = None if d_weights is None else d_weights.float().view(B, Hkv, G, L, S)
+    with torch.autocast("cpu", enabled=False):
+        dq, dk, dv = plan.native().backward(
+            do, plan.q, plan.k, plan.v, stats.reshape(B, Hkv, G, L, 2), *plan.native_args(False),
+            dw,
+        )  # fmt: skip
+    return dq.view(B, plan.H, L, E).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 class _FlashAttention(torch.autograd.Function):
     """The eager path (the operator's dispatch and autograd wrapper cost ~0.3 ms a call).
 
@@ -614,7 +633,7 @@ def _backward(dout, q, k, v, out, stats, mask, alignment, scale, dropout_p, seed
             # (brgemm only from a forward for a backward's stats: 2 + Ev wide)
             brgemm = plan.brgemm() and stats.shape[-1] == 2 + Ev
             args = plan.native_args(brgemm)
-            dq, dk, dv = native.backward(do, plan.q, plan.k, plan.v, stats, *args)
+            dq, dk, dv = native.backward(do, plan.q, plan.k, plan.v, stats, *args, None)
         return dq.view(B, plan.H, L, E).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     D = None  # rowsum(dO * O) (bf16 products: each block sums its own, see backward_group)
     if plan.mm_dtype == plan.dtype:
