@@ -5,7 +5,9 @@
   :mod:`~attnlab.kernels.cpu_flash_native`) or, for float64 and where that does not build, in
   torch ops: ``flash_attention(q, k, v, mask, alignment,
   scale, dropout_p, generator=None)``, ``supports(q, k, v, mask, dropout_p)`` (None, or why
-  not) and ``describe(q, k, v, alignment)`` (the tiling in one line, for ``explain()``).
+  not) and ``describe(q, k, v, alignment)`` (the tiling in one line, for ``explain()``);
+  ``forward_with_weights`` / ``backward_with_weights`` (``weights_unfit``: None, or why not)
+  serve weights on demand, the blocks writing each block's weights as they make them.
   :mod:`attnlab.kernels.choice` -- ``training(dtype, E, Ev, L, S)``: whether it or torch's
   kernel trains attention faster on this CPU at this length (16-bit: measured once per process
   and length class, or set by ``ATTNLAB_CPU_TRAINING_KERNEL``, which also sends float32 there:

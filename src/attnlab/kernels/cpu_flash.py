@@ -59,6 +59,11 @@ the backward regenerates exactly the forward's mask and nothing of size (B, H, L
 The draws depend on the tiling: the same seed gives the same mask for the same shapes and block
 sizes. The backward folds the mask into ``P`` once (``W = P Z``): ``dS = W dP - P D``.
 
+Weights on demand (:func:`forward_with_weights`, the C++ kernel only): the forward's blocks
+hold whole rows, so each block's ``W`` is final when it is made, and is written into the
+caller's (B, H, L, S) tensor then; :func:`backward_with_weights` adds the weights' gradient to
+``dP`` in the backward's blocks, whose row sums ``D = sum_j W_j dP_j`` then include it.
+
 Bound: 7 GEMMs of 2 B H L S E FLOP each (2 forward; backward: S again, dV, dP, dQ, dK) at the
 CPU's GEMM rate, plus ~10 passes over each block of scores in cache (exp2, masks, draws).
 
