@@ -68,22 +68,26 @@ def case(shape, mask_kind, dtype, seed=0):
     "mask_kind,causal", [(None, False), ("bool", "bottom_right"), ("bias", "top_left")]
 )
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("average", [False, True], ids=["per head", "averaged"])
 def test_the_kernels_weights_equal_the_oracle(
-    monkeypatch, backend, dtype, shape, mask_kind, causal, threads
+    monkeypatch, backend, dtype, shape, mask_kind, causal, threads, average
 ):
     backend_on(monkeypatch, backend, dtype)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     (q, k, v), mask = case(shape, mask_kind, dtype)
-    said = str(AF.explain(q, k, v, mask, is_causal=causal, return_weights=True))
-    assert "blocked CPU kernel (C++" in said and "writes each block's weights" in said
+    rw = "average" if average else True
+    said = str(AF.explain(q, k, v, mask, is_causal=causal, return_weights=rw))
+    does = "sums each row block's weights over the heads" if average else "writes each block's"
+    assert "blocked CPU kernel (C++" in said and does in said
     assert ("brgemm" in said) == (backend == "brgemm")
-    stale = torch.full((shape[0], shape[1], shape[3], shape[4]), float("nan"), dtype=dtype)
+    B, H, _, L, S = shape[:5]
+    stale = torch.full((B, L, S) if average else (B, H, L, S), float("nan"), dtype=dtype)
     with torch.no_grad():  # into a buffer of NaN: every entry must be written
         out, w = AF.scaled_dot_product_attention(
-            q, k, v, mask, is_causal=causal, return_weights=True, weights_out=stale
+            q, k, v, mask, is_causal=causal, return_weights=rw, weights_out=stale
         )
     want_out, want_w = R.scaled_dot_product_attention(
-        np64(q), np64(k), np64(v), np64(mask), is_causal=causal, return_weights=True
+        np64(q), np64(k), np64(v), np64(mask), is_causal=causal, return_weights=rw
     )
     if dtype == torch.float32:  # float32 rounding of a few dozen operations
         tol_w, tol_out = 2e-6, 4e-6
@@ -102,7 +106,9 @@ def test_the_kernels_weights_equal_the_oracle(
         tol_out = 2 * np.abs(np64(control) - want_out).max() + 1e-6
         s = (q @ k.repeat_interleave(shape[1] // shape[2], 1).transpose(-2, -1)) * shape[5] ** -0.5
         s = s.masked_fill(~full, -np.inf) if full.dtype == torch.bool else s + full
-        tol_w = 2 * np.abs(np64(torch.softmax(s, -1).nan_to_num(0)) - want_w).max() + 1e-6
+        control_w = torch.softmax(s, -1).nan_to_num(0)
+        control_w = control_w.mean(1) if average else control_w
+        tol_w = 2 * np.abs(np64(control_w) - want_w).max() + 1e-6
     np.testing.assert_allclose(np64(w), want_w, rtol=0, atol=tol_w)
     np.testing.assert_allclose(np64(out), want_out, rtol=0, atol=tol_out)
     dead = ~np.isfinite(want_w).all(-1) | (want_w.sum(-1) == 0)
@@ -110,30 +116,38 @@ def test_the_kernels_weights_equal_the_oracle(
 
 
 @pytest.mark.parametrize("backend", ["brgemm", "at::bmm"])
-def test_row_blocks_that_see_no_key_write_zeros(monkeypatch, backend):
+@pytest.mark.parametrize("average", [False, True], ids=["per head", "averaged"])
+def test_row_blocks_that_see_no_key_write_zeros(monkeypatch, backend, average):
     """Bottom-right causal with L > S: the first L - S rows see no key, whole row blocks of
     them; the kernel skips their products but must still write their weights."""
     backend_on(monkeypatch, backend, torch.float32)
     (q, k, v), _ = case((1, 2, 1, 60, 12, 8, 8), None, torch.float32)
-    buf = torch.full((1, 2, 60, 12), 5.0)
+    buf = torch.full((1, 60, 12) if average else (1, 2, 60, 12), 5.0)
     with torch.no_grad():
         out, w = AF.scaled_dot_product_attention(
-            q, k, v, is_causal="bottom_right", return_weights=True, weights_out=buf
+            q,
+            k,
+            v,
+            is_causal="bottom_right",
+            return_weights="average" if average else True,
+            weights_out=buf,
         )
-    assert (w[:, :, :48] == 0).all() and (out[:, :, :48] == 0).all()
-    torch.testing.assert_close(w[:, :, 48:].sum(-1), torch.ones(1, 2, 12))
+    assert (w[..., :48, :] == 0).all() and (out[:, :, :48] == 0).all()
+    torch.testing.assert_close(w[..., 48:, :].sum(-1), torch.ones(w.shape[:-2] + (12,)))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("used", ["both", "weights", "output", "transposed", "summed"])
-def test_gradients_through_the_kernels_weights(monkeypatch, threads, used):
+@pytest.mark.parametrize("average", [False, True], ids=["per head", "averaged"])
+def test_gradients_through_the_kernels_weights(monkeypatch, threads, used, average):
     """return_weights=True with autograd: forward and backward by the C++ kernel (the weights'
     gradient added to dO V^T in its blocks), against autograd of the readable formula in
     float64; dead rows (a masked row, the first rows of bottom-right causal with L > S)."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     (q, k, v), mask = case(SHAPES[1], "bool", torch.float32, seed=3)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    said = str(AF.explain(q, k, v, mask, is_causal="bottom_right", return_weights=True))
+    rw = "average" if average else True
+    said = str(AF.explain(q, k, v, mask, is_causal="bottom_right", return_weights=rw))
     assert "blocked CPU kernel (C++" in said and "the weights' gradient added to dO V^T" in said
     g = torch.Generator()
 
@@ -148,11 +162,11 @@ def test_gradients_through_the_kernels_weights(monkeypatch, threads, used):
         return (out * up_o).sum() * (used != "weights") + (w * up_w).sum() * (used != "output")
 
     out, w = AF.scaled_dot_product_attention(
-        q, k, v, mask, is_causal="bottom_right", return_weights=True
+        q, k, v, mask, is_causal="bottom_right", return_weights=rw
     )
     grads = torch.autograd.grad(loss(out, w), (q, k, v))
     x = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = AF.scaled_dot_product_attention(*x, mask, is_causal="bottom_right", return_weights=True)
+    ref = AF.scaled_dot_product_attention(*x, mask, is_causal="bottom_right", return_weights=rw)
     want = torch.autograd.grad(loss(*ref), x)
     for name, got, ref in zip("qkv", grads, want, strict=True):
         # (a gradient that is there to get wrong; the weights do not depend on V)
@@ -174,10 +188,9 @@ def test_where_the_kernel_does_not_serve_the_torch_ops_blocks_do_and_say_why(mon
     want = AF.scaled_dot_product_attention(q, k, v, mask, return_weights=True)
     for x, why in (
         ((q.half(), k.half(), v.half()), "torch.float16 on this CPU: its products are float32"),
-        ((q, k, v), "averaged weights"),
+        ((q.double(), k.double(), v.double()), "torch.float64: kept on the exact paths"),
     ):
-        rw = "average" if why == "averaged weights" else True
-        said = str(AF.explain(*x, mask, return_weights=rw))
+        said = str(AF.explain(*x, mask, return_weights="average"))
         assert f"in torch ops (not the C++ blocked kernel: {why}" in said
     monkeypatch.setattr(cpu_flash_native, "_state", {"why": "ATTNLAB_CPU_NATIVE=0"})
     said = str(AF.explain(q, k, v, mask, return_weights=True))

@@ -26,12 +26,13 @@ one exp): never a (B, H, L, S) tensor besides what the caller holds::
 Grouped-query heads: query head h reads kv head ``h // G``; the gradients of the G query heads
 of a group are summed into their kv head (``index_add_``).
 
-Where the blocked CPU kernel in C++ serves (per-head weights in float32, or bfloat16 on a CPU
-that multiplies it natively: :func:`native`), its blocks -- also whole rows against every
-visible key -- compute the forward above and write each block's weights as they make them
+Where the blocked CPU kernel in C++ serves (float32, or bfloat16 on a CPU that multiplies it
+natively: :func:`native`), its blocks -- also whole rows against every visible key -- compute
+the forward above and write each block's weights as they make them
 (:func:`attnlab.kernels.cpu_flash.forward_with_weights`): no Python per block, no pass of its
-own over the weights. The blocks here are its readable twin, and serve the rest (float64,
-float16, averaged weights, traced calls, a machine without a C++ compiler).
+own over the weights (averaged: each row block summed over the heads in a float32 buffer,
+then written); with autograd its backward too. The blocks here are its readable twin, and
+serve the rest (float64, float16, traced calls, a machine without a C++ compiler).
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
         alignment = None  # the last position sees every key
     if block_shape(H, L, S, q.element_size(), B=B) == (B, H, L):
         return _one_block(q * scale, k, v, mask, alignment, average, out, weights, lse)
-    if lse is None and native(q, k, v, mask, average) is None:  # the C++ kernel's blocks
+    if lse is None and native(q, k, v, mask) is None:  # the C++ kernel's blocks
         return cpu_flash.forward_with_weights(q, k, v, mask, alignment, scale, weights)[0], weights
     qs = q * scale
     if average:
@@ -173,14 +174,13 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
     return out, weights
 
 
-def native(q, k, v, mask, average) -> str | None:
+def native(q, k, v, mask) -> str | None:
     """None when the blocked CPU kernel in C++ (:func:`attnlab.kernels.cpu_flash.
-    forward_with_weights`) computes the per-head weights with the output, else why not: its
-    blocks hold each row's every key, as these do, and write the weights as they make them, with
-    no Python per block and no pass of their own (1.1-1.2x the call without weights, against
-    1.5-1.6x for the torch-ops blocks below; float32, 1 thread, (4, 8, 1024, 64))."""
-    if average:
-        return "averaged weights (the C++ kernel writes per-head weights)"
+    forward_with_weights`) computes the weights with the output, else why not: its blocks hold
+    each row's every key, as these do, and write the weights as they make them (averaged: a row
+    block summed over the heads first), with no Python per block and no pass of their own
+    (1.0-1.2x the call without weights into ``weights_out``, against 1.5-1.6x for the torch-ops
+    blocks below; float32, (4, 8, 1024, 64), 1 and 2 threads)."""
     return cpu_flash.weights_unfit(q, k, v, mask)
 
 
@@ -242,10 +242,10 @@ class WeightsAttention(torch.autograd.Function):
         ctx.alignment, ctx.scale, ctx.average = alignment, scale, average
         ctx.native = (
             block_shape(H, L, k.shape[2], q.element_size(), B=B) != (B, H, L)
-            and native(q, k, v, mask, average) is None
+            and native(q, k, v, mask) is None
         )
         if ctx.native:  # the C++ kernel's blocks, forward and backward
-            weights = _memory.empty(B, H, L, k.shape[2], like=q)
+            weights = _memory.empty(B, 1 if average else H, L, k.shape[2], like=q)
             out, stats = cpu_flash.forward_with_weights(q, k, v, mask, alignment, scale, weights)
             ctx.save_for_backward(q, k, v, stats, mask, weights)
             return out, weights

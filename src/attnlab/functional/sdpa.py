@@ -250,9 +250,8 @@ def _choose(
 
         B, L = query.shape[0], query.shape[2]
         value = key if value is None else value
-        average = return_weights == "average"
         if (batches, heads, rows) != (B, H, L) and native_weights(
-            query, key, value, attn_mask, average
+            query, key, value, attn_mask
         ) is None:
             if grad:
                 backward = (
@@ -261,7 +260,8 @@ def _choose(
                 )
             said = (
                 f"weights ({what}) and output computed together by the "
-                f"{kernels.describe(query, key, value, alignment, weights=True)}{backward}"
+                f"{kernels.describe(query, key, value, alignment, weights=return_weights)}"
+                f"{backward}"
             )
         elif (batches, heads, rows) == (B, H, L):
             group = f", each kv group's {H // Hkv} query heads as rows of its kv head"
@@ -273,7 +273,7 @@ def _choose(
             said = (
                 f"weights ({what}) and output computed together in blocks of {heads} head(s) "
                 f"x {rows} query rows in torch ops (not the C++ blocked kernel: "
-                f"{native_weights(query, key, value, attn_mask, average)}), written in place: "
+                f"{native_weights(query, key, value, attn_mask)}), written in place: "
                 f"extra memory one block, not (B, H, L, S){backward}"
             )
         return Dispatch("weights", (said,))

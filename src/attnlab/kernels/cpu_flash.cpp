@@ -99,6 +99,9 @@ inline void store_bf16(const float* x, at::BFloat16* y, int64_t n, float scale =
 
 inline void store_row(const float* x, float* y, int64_t n) { std::copy(x, x + n, y); }
 inline void store_row(const float* x, at::BFloat16* y, int64_t n) { store_bf16(x, y, n); }
+// (the same, for the averaged weights' rows: whole row blocks at once)
+template <typename T>
+inline void store_rows(const float* x, T* y, int64_t n) { store_row(x, y, n); }
 
 inline uint64_t mix64(uint64_t z) {  // splitmix64's output function
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -201,8 +204,10 @@ constexpr size_t kKeptBytes = size_t(64) << 20;
 struct Scratch {
   Slot q, s, pm, o, t, keep, words, pf, w, dp, dsm;
   Slot kvt, qt_p, pt_p;  // (brgemm: K^T or V^T, packed operands)
+  Slot avg;  // (averaged weights: a row block's sum over the heads, float32)
   void trim() {
-    Slot* slots[] = {&q, &s, &pm, &o, &t, &keep, &words, &pf, &w, &dp, &dsm, &kvt, &qt_p, &pt_p};
+    Slot* slots[] = {&q,  &s,  &pm,  &o,   &t,    &keep, &words, &pf,
+                     &w,  &dp, &dsm, &kvt, &qt_p, &pt_p, &avg};
     size_t total = 0;
     for (Slot* slot : slots) total += slot->bytes;
     if (total > kKeptBytes)
@@ -320,11 +325,12 @@ inline void zero_weights(T* weights, const Params& p, int64_t row0, int64_t R) {
 
 // A block: query rows r0:r1 of the G heads of the nb groups (batch row, kv head) g0:g0+nb,
 // against keys 0:N. q3 (B*Hkv, G*L, E), k3 (B*Hkv, S, E), v3 (B*Hkv, S, Ev), out3 like q3.
-// weights: the (B, H, L, S) weights W, written row by row as they are made, or nullptr.
+// weights: the (B, H, L, S) weights W, written row by row as they are made, or nullptr;
+// avg: rows r0:r1 (R x S, float32) that each head's W / H is added to, or nullptr.
 template <typename mm_t>
 void forward_block(const Params& p, const Tensor& q3, const Tensor& k3, const Tensor& v3,
                    Tensor& out3, float* stats, int64_t g0, int64_t nb, int64_t r0, int64_t r1,
-                   Scratch& sc, mm_t* weights) {
+                   Scratch& sc, mm_t* weights, float* avg = nullptr) {
   const int64_t G = p.G, R = r1 - r0, M = G * R, N = block_keys(p, r1);
   const auto mm = q3.scalar_type();
   if (N <= 0) {  // every row before the first key: dead (stats were set so)
@@ -350,6 +356,11 @@ void forward_block(const Params& p, const Tensor& q3, const Tensor& k3, const Te
     if (mm_t* wrow = weights_of(weights, p, (gi * G + g) * p.L + i)) {  // (h = j G + g)
       std::copy(prow, prow + N, wrow);
       std::fill(wrow + N, wrow + p.S, mm_t(0.f));  // (keys past the causal limit)
+    }
+    if (avg != nullptr) {
+      float* arow = avg + (i - r0) * p.S;
+      const float inv_h = 1.f / static_cast<float>(p.H);
+      for (int64_t c = 0; c < N; ++c) arow[c] += static_cast<float>(prow[c]) * inv_h;
     }
   }
   Tensor vb = v3.narrow(0, g0, nb).narrow(1, 0, N);
@@ -596,14 +607,19 @@ std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
                             bool brgemm, bool exact, const c10::optional<Tensor>& weights) {
   Params p = make_params(q5, k, v, mask, offset, causal, scale, rows, width, dropped, keep, seed);
   const int64_t groups = p.B * p.Hkv;
-  void* w = nullptr;  // the caller's (B, Hkv, G, L, S) weights, written as the blocks make them
+  // the caller's weights, (B, Hkv, G, L, S) per head, written as the blocks make them, or
+  // (B, 1, 1, L, S) averaged over the heads: a task's row block summed over them first
+  void* w = nullptr;
+  bool average = false;
   if (weights.has_value() && weights->defined()) {
     const Tensor& wt = *weights;
+    average = wt.dim() == 5 && wt.size(1) * wt.size(2) == 1 && p.H > 1;
     TORCH_CHECK(!p.dropout, "attnlab cpu_flash: weights are returned without dropout");
     TORCH_CHECK(wt.is_contiguous() && wt.scalar_type() == q5.scalar_type() &&
-                    wt.sizes() == at::IntArrayRef({p.B, p.Hkv, p.G, p.L, p.S}),
-                "attnlab cpu_flash: weights as a contiguous (B, Hkv, G, L, S) tensor of the "
-                "products' dtype");
+                    (wt.sizes() == at::IntArrayRef({p.B, p.Hkv, p.G, p.L, p.S}) ||
+                     wt.sizes() == at::IntArrayRef({p.B, 1, 1, p.L, p.S})),
+                "attnlab cpu_flash: weights as a contiguous (B, Hkv, G, L, S) or (B, 1, 1, L, "
+                "S) tensor of the products' dtype");
     w = wt.data_ptr();
   }
   // (a copy only where the heads are not laid out as (B*Hkv, G*L, E): views of projections)
@@ -620,6 +636,21 @@ std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
     const int64_t parts = parts_for(p, groups, threads);
     for_products(q5.scalar_type(), [&](auto zero) {
       using mm_t = decltype(zero);
+      if (average) {  // a task: one row block of a batch row, every head of it
+        const int64_t blocks = (p.L + p.rows - 1) / p.rows;
+        run_tasks(p.B * blocks, threads, [&](int64_t task, Scratch& sc) {
+          const int64_t b = task / blocks, r0 = (task % blocks) * p.rows;
+          const int64_t R = std::min(p.L, r0 + p.rows) - r0;
+          float* acc = static_cast<float*>(sc.avg.get(R * p.S * sizeof(float)));
+          std::fill(acc, acc + R * p.S, 0.f);
+          for (int64_t j = 0; j < p.Hkv; ++j)  // (that block alone: stride past the others)
+            forward_group_brgemm<mm_t>(p, q3, k3, v3, out3, st, b * p.Hkv + j, task % blocks,
+                                       blocks, sc, static_cast<mm_t*>(nullptr), acc);
+          store_rows(acc, static_cast<mm_t*>(w) + (b * p.L + r0) * p.S, R * p.S);
+          cb::brgemm_release(kPairs<mm_t>);
+        });
+        return;
+      }
       run_tasks(groups * parts, threads, [&](int64_t task, Scratch& sc) {
         forward_group_brgemm<mm_t>(p, q3, k3, v3, out3, st, task / parts, task % parts, parts,
                                    sc, static_cast<mm_t*>(w));
@@ -640,6 +671,19 @@ std::vector<Tensor> forward(const Tensor& q5, const Tensor& k, const Tensor& v,
   const int64_t n = chunks * row_blocks;
   for_products(q5.scalar_type(), [&](auto zero) {
     using mm_t = decltype(zero);
+    if (average) {  // a task: one row block of a batch row, every kv head of it in turn
+      run_tasks(p.B * row_blocks, threads, [&](int64_t task, Scratch& sc) {
+        const int64_t b = task / row_blocks, r0 = (task % row_blocks) * p.rows;
+        const int64_t r1 = std::min(p.L, r0 + p.rows), R = r1 - r0;
+        float* acc = static_cast<float*>(sc.avg.get(R * p.S * sizeof(float)));
+        std::fill(acc, acc + R * p.S, 0.f);
+        for (int64_t j = 0; j < p.Hkv; ++j)
+          forward_block<mm_t>(p, q3, k3, v3, out3, st, b * p.Hkv + j, 1, r0, r1, sc, nullptr,
+                              acc);
+        store_rows(acc, static_cast<mm_t*>(w) + (b * p.L + r0) * p.S, R * p.S);
+      });
+      return;
+    }
     run_tasks(n, threads, [&](int64_t task, Scratch& sc) {
       const int64_t g0 = (task / row_blocks) * nb, r0 = (task % row_blocks) * p.rows;
       forward_block<mm_t>(p, q3, k3, v3, out3, st, g0, std::min(nb, groups - g0), r0,

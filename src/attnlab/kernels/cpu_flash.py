@@ -144,8 +144,8 @@ def supports(q, k, v, mask, dropout_p) -> str | None:
 
 def describe(q, k, v, alignment, weights=False) -> str:
     """The tiling of a call in one line (for ``explain()``), and which implementation runs it:
-    the C++ one, or these blocks in torch ops and why; ``weights``: a call of
-    :func:`forward_with_weights` (the C++ kernel's, which writes the weights)."""
+    the C++ one, or these blocks in torch ops and why; ``weights`` (True, or ``"average"``): a
+    call of :func:`forward_with_weights` (the C++ kernel's, which writes the weights)."""
     plan = _Plan(q, k, v, None, alignment, 1.0, 0.0, 0)
     products = "bfloat16" if plan.mm_dtype == torch.bfloat16 else "float32"
     # (a trace cannot read the thread count: the graph runs with the caller's)
@@ -164,6 +164,8 @@ def describe(q, k, v, alignment, weights=False) -> str:
         if weights:  # (the backward's chunks are not this call's)
             blocks = blocks.split(" (backward")[0]
             saves = "writes each block's weights as it makes them"
+            if weights == "average":
+                saves = "sums each row block's weights over the heads (float32), then writes them"
         elif plan.mm_dtype == torch.bfloat16:
             why = "odd head dims" if plan.E % 2 or plan.Ev % 2 else "no brgemm for this CPU"
             products += f" (at::bmm; {why})"
@@ -234,16 +236,19 @@ def weights_unfit(q, k, v, mask) -> str | None:
 @torch.no_grad()
 def forward_with_weights(q, k, v, mask, alignment, scale, weights):
     """The C++ kernel's forward, writing each block's weights ``W = softmax(s Q K^T + M)`` into
-    ``weights`` (B, H, L, S), contiguous, of q's dtype, as it makes them (no pass of its own):
-    -> out (B, H, L, Ev), stats (B, H, L, 2): each row's max score and the log of its sum of
-    exponentials (natural units; +inf and 0 for a row with no key). Rows with no attendable key
-    get weights and output 0. Only where :func:`weights_unfit` says None."""
+    ``weights`` (B, H, L, S), contiguous, of q's dtype, as it makes them (no pass of its own),
+    or their average over the heads into ``weights`` (B, 1, L, S) (a task sums one row block
+    over every head in a float32 buffer, then writes it): -> out (B, H, L, Ev), stats (B, H, L,
+    2): each row's max score and the log of its sum of exponentials (natural units; +inf and 0
+    for a row with no key). Rows with no attendable key get weights and output 0. Only where
+    :func:`weights_unfit` says None."""
     plan = _Plan(q, k, v, mask, alignment, scale, 0.0, 0)
     plan.load(q, k, v)
     B, Hkv, G, L, S = plan.B, plan.Hkv, plan.G, plan.L, plan.S
+    heads = (1, 1) if weights.shape[1] == 1 else (Hkv, G)
     with torch.autocast("cpu", enabled=False):
         out, stats = plan.native().forward(
-            plan.q, plan.k, plan.v, *plan.native_args(), False, weights.view(B, Hkv, G, L, S)
+            plan.q, plan.k, plan.v, *plan.native_args(), False, weights.view(B, *heads, L, S)
         )
     return out.view(B, plan.H, L, plan.Ev), stats.view(B, plan.H, L, 2)
 
@@ -252,12 +257,15 @@ def forward_with_weights(q, k, v, mask, alignment, scale, weights):
 def backward_with_weights(dout, q, k, v, stats, mask, alignment, scale, d_weights):
     """(dq, dk, dv) of :func:`forward_with_weights`'s output and weights, float32: its blocks
     again (the at::bmm ones: whole rows, so each row's ``D = sum_j W_j (dP_j + dW_j)`` is summed
-    in the block), the weights' gradient ``d_weights`` (B, H, L, S) or None added to ``dP``."""
+    in the block), the weights' gradient ``d_weights`` (B, H, L, S) or None added to ``dP``
+    (averaged weights' (B, 1, L, S) gradient: divided by H and broadcast, as a view)."""
     plan = _Plan(q, k, v, mask, alignment, scale, 0.0, 0)
     plan.load(q, k, v)
     B, Hkv, G, L, S, E, Ev = plan.B, plan.Hkv, plan.G, plan.L, plan.S, plan.E, plan.Ev
     do = dout.to(plan.mm_dtype).reshape(B, Hkv, G, L, Ev)
     # (read through its strides: a broadcast gradient, as a sum's, is not materialised)
+    if d_weights is not None and d_weights.shape[1] != plan.H:  # (averaged: W = sum_h W_h / H)
+        d_weights = (d_weights.float() / plan.H).expand(B, plan.H, L, S)
     dw = None if d_weights is None else d_weights.float().view(B, Hkv, G, L, S)
     with torch.autocast("cpu", enabled=False):
         dq, dk, dv = plan.native().backward(

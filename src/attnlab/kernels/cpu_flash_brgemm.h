@@ -588,7 +588,9 @@ void for_vectors(int nv, F f) {
   }
 }
 
-inline int64_t kBufLd(int64_t N) { return (N + 15) / 16 * 16 + 16; }
+// The row stride of store_weights' buffer for rows of N floats: whole vectors, and not a
+// multiple of 4 KiB (rows 4 KiB apart share L1 sets: transposing into them thrashed it).
+inline int64_t buf_ld(int64_t N) { return (N + 15) / 16 * 16 + 16; }
 
 // y[0:n] = x[0:n], y's whole 64-byte lines written around the cache (the weights are a large
 // result, not read again here: no line read for ownership first).
@@ -617,13 +619,14 @@ inline void stream_row(const float* x, bf16* y, int64_t n, float scale) {
 }
 
 // A block's weights W (R rows of the (B, H, L, S) weights from `rows`; 0 past its N keys)
-// from St after softmax_cols: for float32 products St holds W^T, transposed here; for bfloat16
-// ones the exponentials, transposed into `buf` (R x N floats) and scaled by each row's 1 / l
-// as they are rounded (as pack_rows rounds the product's W).
+// from St after softmax_cols, 16 rows at a time transposed into `buf` (16 x buf_ld(N) floats,
+// in cache) and streamed out: for float32 products St holds W^T; for bfloat16 ones the
+// exponentials, scaled by each row's 1 / l as they are rounded (as pack_rows rounds the
+// product's W).
 template <typename T>
 void store_weights(const Params& p, const float* st, const Block& b, const float* norm,
                    T* rows, float* buf) {
-  const int64_t N = b.N, R = b.R, S = p.S, ld = kBufLd(N);
+  const int64_t N = b.N, R = b.R, S = p.S, ld = buf_ld(N);
   for (int64_t i0 = 0; i0 < R; i0 += 16) {  // 16 rows at a time: buf stays in L1 / L2
     const int64_t n = std::min<int64_t>(16, R - i0);
     transpose(st + i0, N, n, b.Rs, buf, ld);
@@ -639,13 +642,33 @@ void store_weights(const Params& p, const float* st, const Block& b, const float
   }
 }
 
+// avg (R x S rows of a row block, float32) += the block's W / H (16 rows at a time through
+// `buf`, as store_weights).
+void add_weights(const Params& p, const float* st, const Block& b, const float* norm,
+                 bool normalised, float* avg, float* buf) {
+  const int64_t N = b.N, R = b.R, S = p.S, ld = buf_ld(N);
+  const float inv_h = 1.f / static_cast<float>(p.H);
+  for (int64_t i0 = 0; i0 < R; i0 += 16) {
+    const int64_t n = std::min<int64_t>(16, R - i0);
+    transpose(st + i0, N, n, b.Rs, buf, ld);
+    for (int64_t i = 0; i < n; ++i) {
+      const float scale = (normalised ? 1.f : norm[i0 + i]) * inv_h;
+      const float* x = buf + i * ld;
+      float* y = avg + (i0 + i) * S;
+#pragma omp simd
+      for (int64_t c = 0; c < N; ++c) y[c] += x[c] * scale;
+    }
+  }
+}
+
 // Rows r0:r0+R of every head of group gi (batch row, kv head), r0 = first, first + stride, ...
 // blocks of p.rows (<= 64): V^T made once for all of them. weights: the (B, H, L, S) weights
-// to write, or nullptr.
+// to write, or nullptr; avg: with a single block (stride past the others), its R x S rows
+// (float32) that each head's W / H is added to, or nullptr.
 template <typename T>
 void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, const Tensor& v3,
                           Tensor& out3, float* stats, int64_t gi, int64_t first, int64_t stride,
-                          Scratch& sc, T* weights) {
+                          Scratch& sc, T* weights, float* avg = nullptr) {
   const int64_t G = p.G, L = p.L, S = p.S, E = p.E, Ev = p.Ev, ld = even(S), rows = p.rows;
   const int64_t rows_s = (rows + 15) / 16 * 16;
   const T* q = q3.data_ptr<T>() + gi * q3.stride(0);
@@ -664,9 +687,9 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
   float* o = static_cast<float*>(sc.pf.get(rows * Ev * sizeof(float)));
   void* draws = sc.t.get(Draws::bytes(rows_s));
   alignas(64) float norm[64];
-  // (bfloat16 weights: a block's W rows in float32 before their rounding)
-  float* wbuf = weights != nullptr
-                    ? static_cast<float*>(sc.w.get(16 * kBufLd(S) * sizeof(float)))
+  // (the weights: 16 rows of a block's W at a time, transposed, before they are streamed out)
+  float* wbuf = weights != nullptr || avg != nullptr
+                    ? static_cast<float*>(sc.w.get(16 * buf_ld(S) * sizeof(float)))
                     : nullptr;
   for (int64_t r0 = first * rows; r0 < L; r0 += stride * rows) {
     const int64_t R = std::min(L, r0 + rows) - r0, N = block_keys(p, r0 + R);
@@ -692,6 +715,7 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
         softmax_cols<T, decltype(nv)::value>(p, st, b, unit, stats, draws, pt_p, norm);
       });
       if (T* wrows = weights_of(weights, p, b.row0)) store_weights(p, st, b, norm, wrows, wbuf);
+      if (avg != nullptr) add_weights(p, st, b, norm, !kPairs<T>, avg, wbuf);
       {
         std::optional<HiddenColumn> hidden;  // P^T Z / rho: packed bfloat16, or St's rows
         if constexpr (kPairs<T>) {
