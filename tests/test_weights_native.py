@@ -198,3 +198,44 @@ def test_where_the_kernel_does_not_serve_the_torch_ops_blocks_do_and_say_why(mon
     got = AF.scaled_dot_product_attention(q, k, v, mask, return_weights=True)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("average", [False, True], ids=["per head", "averaged"])
+def test_bfloat16_gradients_within_twice_the_control_error(monkeypatch, average):
+    """bfloat16 weights with autograd (the readable formula's materialising path before): the
+    C++ kernel both ways, against float64, within twice the error of the readable formula run
+    in bfloat16 (the control)."""
+    if not cf.native_bf16():
+        pytest.skip("bfloat16 products are float32 on this CPU: the readable formula serves")
+    (q, k, v), mask = case(SHAPES[0], "bool", torch.float32, seed=5)
+    rw = "average" if average else True
+    g = torch.Generator()
+
+    def grads(x, run):
+        x = [t.detach().requires_grad_() for t in x]
+        out, w = run(x)
+        g.manual_seed(6)
+        up_o = torch.randn(out.shape, generator=g, dtype=torch.float64)
+        up_w = torch.randn(w.shape, generator=g, dtype=torch.float64)
+        loss = (out.double() * up_o).sum() + (w.double() * up_w).sum()
+        return torch.autograd.grad(loss, x)
+
+    def ours(x):
+        return AF.scaled_dot_product_attention(*x, mask, is_causal="top_left", return_weights=rw)
+
+    def readable(x):  # the textbook formula, in the inputs' dtype
+        qq, kk, vv = x
+        kk, vv = kk.repeat_interleave(2, 1), vv.repeat_interleave(2, 1)
+        keep = mask & torch.ones(mask.shape[-2:], dtype=torch.bool).tril()
+        s = (qq @ kk.transpose(-2, -1)) * qq.shape[-1] ** -0.5
+        w = torch.softmax(s.masked_fill(~keep, -np.inf), -1).nan_to_num(0)
+        return w @ vv, w.mean(1) if average else w
+
+    x16 = [t.bfloat16() for t in (q, k, v)]
+    said = str(AF.explain(*[t.requires_grad_() for t in x16], mask, return_weights=rw))
+    assert "blocked CPU kernel (C++" in said and "weights' gradient added" in said
+    got, control = grads(x16, ours), grads(x16, readable)
+    want = grads([t.double() for t in x16], readable)  # (the same bfloat16 inputs)
+    for a, c, w in zip(got, control, want, strict=True):
+        err, control_err = (a.double() - w).abs().max(), (c.double() - w).abs().max()
+        assert err <= 2 * control_err, (err, control_err)

@@ -186,13 +186,17 @@ def _choose(
                 "gradients an exported program keeps",
             ),  # fmt: skip
         )
-    if grad and (query.dtype not in GRAD_WEIGHTS_DTYPES or _needs_grad(attn_mask)):
+    native = None  # why the C++ kernel's blocks do not train 16-bit weights here, if they do not
+    if grad and query.dtype not in GRAD_WEIGHTS_DTYPES:
+        native = _native_weights_grad(query, key, value, attn_mask)
+    if grad and (native is not None or _needs_grad(attn_mask)):
         return Dispatch(
             "eager",
             (
                 f"return_weights with autograd for {query.dtype}"
                 + (" and a mask that takes gradients" if _needs_grad(attn_mask) else "")
-                + " -- the blocked weights backward takes float32/float64 and a constant mask",
+                + " -- the blocked weights backward takes float32/float64 (16 bits: the C++ "
+                f"kernel's blocks, {native or 'where they serve'}) and a constant mask",
             ),
         )
     # traced (torch.compile, torch.export): torch's ops, which the graph can hold
@@ -533,6 +537,16 @@ def _plain_fused(query, key, value, is_causal, scale) -> torch.Tensor | None:
     if nonfinite._assumed:  # (propagate_nonfinite's own test, without the call)
         return out
     return propagate_nonfinite(query, key, value, out)[0]
+
+
+def _native_weights_grad(query, key, value, mask) -> str | None:
+    """None when the C++ kernel's blocks take weights with autograd in this (16-bit) dtype,
+    else why not: the torch-ops weights blocks train float32/float64 only."""
+    B, H, L, S = *query.shape[:3], key.shape[-2]
+    if block_shape(H, L, S, query.element_size(), B=B) == (B, H, L):
+        return "not here: the scores fit one block, which the torch-ops blocks take"
+    why = native_weights(query, key, key if value is None else value, mask)
+    return None if why is None else f"not here: {why}"
 
 
 def attention_with(

@@ -485,20 +485,19 @@ void backward_group(const Params& p, const Tensor& do3, const Tensor& q3, const 
     }
     Tensor dp = view3(buffer(sc.dp, nb * M * N, mm), nb, M, N);
     at::bmm_out(dp, dob, vb.transpose(1, 2));
-    mm_t* dp_ptr = dp.data_ptr<mm_t>();
+    const mm_t* dp_ptr = dp.data_ptr<mm_t>();
     for (int64_t r = 0; r < nb * M; ++r) {  // dS = W dP - P D, in place of W
       float* wrow = w_ptr + r * N;
-      if (dw.data != nullptr) {  // (float32 products only: mm_t is float)
+      if (dw.data != nullptr) {  // dP + dW_user in float32, in the row scratch (free here)
         const float* user = dw.row(p, g0 + r / M, (r % M) / R, r0 + r % R);
-        mm_t* dprow = dp_ptr + r * N;
+        const mm_t* dprow = dp_ptr + r * N;
         const int64_t across = dw.stride[4];
-        if (across == 1) {
-          for (int64_t c = 0; c < visible[r]; ++c) dprow[c] += user[c];
-        } else {
-          for (int64_t c = 0; c < visible[r]; ++c) dprow[c] += user[c * across];
-        }
+        for (int64_t c = 0; c < visible[r]; ++c)
+          t[c] = static_cast<float>(dprow[c]) + user[c * across];
+        score_grad_row(t, wrow, p_ptr + r * N, visible[r]);
+      } else {
+        score_grad_row(dp_ptr + r * N, wrow, p_ptr + r * N, visible[r]);
       }
-      score_grad_row(dp_ptr + r * N, wrow, p_ptr + r * N, visible[r]);
       if (wide) std::copy(wrow, wrow + N, wm_ptr + r * N);  // (a dead row's W is 0, so is dS)
     }
     Tensor ds = w;  // (nb, M, N) float32
@@ -704,11 +703,10 @@ std::vector<Tensor> backward(const Tensor& do5, const Tensor& q5, const Tensor& 
   Strided dw;  // the gradient of the weights a caller was given, if any
   if (d_weights.has_value() && d_weights->defined()) {
     const Tensor& g = *d_weights;
-    TORCH_CHECK(!brgemm && !p.dropout && q5.scalar_type() == at::kFloat &&
-                    g.scalar_type() == at::kFloat &&
+    TORCH_CHECK(!brgemm && !p.dropout && g.scalar_type() == at::kFloat &&
                     g.sizes() == at::IntArrayRef({p.B, p.Hkv, p.G, p.L, p.S}),
-                "attnlab cpu_flash: the weights' gradient takes the at::bmm blocks, float32 "
-                "products, no dropout, as a (B, Hkv, G, L, S) float32 tensor");
+                "attnlab cpu_flash: the weights' gradient takes the at::bmm blocks, no dropout, "
+                "as a (B, Hkv, G, L, S) float32 tensor");
     dw.data = g.data_ptr<float>();
     for (int d = 0; d < 5; ++d) dw.stride[d] = g.stride(d);  // (0 where it broadcasts)
   }

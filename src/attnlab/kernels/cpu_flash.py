@@ -255,10 +255,15 @@ def forward_with_weights(q, k, v, mask, alignment, scale, weights):
 
 @torch.no_grad()
 def backward_with_weights(dout, q, k, v, stats, mask, alignment, scale, d_weights):
-    """(dq, dk, dv) of :func:`forward_with_weights`'s output and weights, float32: its blocks
-    again (the at::bmm ones: whole rows, so each row's ``D = sum_j W_j (dP_j + dW_j)`` is summed
-    in the block), the weights' gradient ``d_weights`` (B, H, L, S) or None added to ``dP``
-    (averaged weights' (B, 1, L, S) gradient: divided by H and broadcast, as a view)."""
+    """(dq, dk, dv) of :func:`forward_with_weights`'s output and weights, from float32
+    products (16-bit inputs widened): its blocks again (the at::bmm ones: whole rows, so each
+    row's ``D = sum_j W_j (dP_j + dW_j)`` is summed in the block), the weights' gradient
+    ``d_weights`` (B, H, L, S) or None added to ``dP`` (averaged weights' (B, 1, L, S)
+    gradient: divided by H and broadcast, as a view)."""
+    dtype = q.dtype
+    if dtype != torch.float32:  # (16-bit inputs: float32 products, rounded once at the end;
+        # dS rounded to 16 bits for the products took dQ to 2.6x the readable formula's error)
+        q, k, v, dout = (t.float() for t in (q, k, v, dout))
     plan = _Plan(q, k, v, mask, alignment, scale, 0.0, 0)
     plan.load(q, k, v)
     B, Hkv, G, L, S, E, Ev = plan.B, plan.Hkv, plan.G, plan.L, plan.S, plan.E, plan.Ev
@@ -272,7 +277,7 @@ def backward_with_weights(dout, q, k, v, stats, mask, alignment, scale, d_weight
             do, plan.q, plan.k, plan.v, stats.reshape(B, Hkv, G, L, 2), *plan.native_args(False),
             dw,
         )  # fmt: skip
-    return dq.view(B, plan.H, L, E).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.view(B, plan.H, L, E).to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 class _FlashAttention(torch.autograd.Function):
