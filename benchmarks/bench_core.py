@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attnlab.functional as AF  # noqa: E402
-from attnlab.kernels import choice, cpu_flash_native, flash_attention  # noqa: E402
+from attnlab.kernels import choice, cpu_flash, cpu_flash_native, flash_attention  # noqa: E402
 from common import header, peak_rss_mib_in_child, ratio_line, report_peak, round_robin  # noqa: E402
 
 SDPA_SHAPES = [(8, 8, 256, 64), (4, 8, 1024, 64), (1, 8, 4096, 64)]
@@ -225,15 +225,20 @@ def bench_weights(rounds: int) -> None:
         print(ratio_line(f"return_weights vs naive {shape}", stats, "weights", "naive"))
         print(ratio_line(f"return_weights vs without {shape}", stats, "weights", "no-weights"))
     header(
-        "weights on demand vs the same call without weights (float32): per head into a fresh "
-        "tensor, into a reused weights_out (target <= 1.5x at (4, 8, 1024, 64), 1 thread), "
-        "averaged; and with autograd, forward+backward (target <= 1.5x at L = 1024)"
+        "weights on demand vs the same call without weights: per head into a fresh tensor, into "
+        "a reused weights_out (target <= 1.5x at (4, 8, 1024, 64), float32, 1 thread), averaged; "
+        "and with autograd, forward+backward (target <= 1.5x at L = 1024); the C++ kernel's "
+        "blocks, and the torch-ops blocks (their readable twin) in the same run"
     )
-    for shape in SDPA_SHAPES[:2]:
+    cases = [(torch.float32, shape) for shape in SDPA_SHAPES[:2]]
+    if cpu_flash.native_bf16():  # (elsewhere bfloat16 products are float32: torch-ops blocks)
+        cases.append((torch.bfloat16, SDPA_SHAPES[1]))
+    for dtype, shape in cases:
         g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(*shape, generator=g) for _ in range(3))
-        buffer = torch.empty(*shape[:3], shape[2])
+        q, k, v = (torch.randn(*shape, generator=g).to(dtype) for _ in range(3))
+        buffer = torch.empty(*shape[:3], shape[2], dtype=dtype)
         call = AF.scaled_dot_product_attention
+        name = f"{str(dtype)[6:]} {shape}"
         with torch.inference_mode():
             stats = round_robin(
                 {
@@ -241,29 +246,53 @@ def bench_weights(rounds: int) -> None:
                     "per-head": lambda: call(q, k, v, return_weights=True),
                     "weights_out": lambda: call(q, k, v, return_weights=True, weights_out=buffer),
                     "average": lambda: call(q, k, v, return_weights="average"),
+                    "weights_out, torch ops": torch_ops_blocks(
+                        lambda: call(q, k, v, return_weights=True, weights_out=buffer)
+                    ),
+                    "average, torch ops": torch_ops_blocks(
+                        lambda: call(q, k, v, return_weights="average")
+                    ),
                 },
                 rounds=rounds,
             )
-        for case in ("per-head", "weights_out", "average"):
-            print(ratio_line(f"{case} vs without {shape}", stats, case, "no-weights"))
+        for case in ("per-head", "weights_out", "average", "weights_out, torch ops"):
+            print(ratio_line(f"{case} vs without {name}", stats, case, "no-weights"))
+        print(ratio_line(f"average, torch ops vs without {name}", stats, "average, torch ops",
+                         "no-weights"))  # fmt: skip
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 
         def train(rw):
             out = call(qg, kg, vg, return_weights=rw)
-            loss = out[0].sum() + out[1].sum() if rw else out.sum()
+            loss = out[0].float().sum() + out[1].float().sum() if rw else out.float().sum()
             loss.backward()
             qg.grad = kg.grad = vg.grad = None
 
-        stats = round_robin(
-            {
-                "no-weights": lambda: train(False),
-                "per-head": lambda: train(True),
-                "average": lambda: train("average"),
-            },
-            rounds=rounds,
-        )
-        for case in ("per-head", "average"):
-            print(ratio_line(f"fwd+bwd {case} vs without {shape}", stats, case, "no-weights"))
+        trains = {
+            "no-weights": lambda: train(False),
+            "per-head": lambda: train(True),
+            "average": lambda: train("average"),
+        }
+        # (without the C++ kernel, float32 takes the torch-ops blocks, 16 bits the readable
+        # formula: the path each took before the kernel served it)
+        trains["per-head, no C++"] = torch_ops_blocks(lambda: train(True))
+        stats = round_robin(trains, rounds=rounds)
+        for case in list(trains)[1:]:
+            print(ratio_line(f"fwd+bwd {case} vs without {name}", stats, case, "no-weights"))
+
+
+def torch_ops_blocks(run):
+    """``run`` with the weights path's torch-ops blocks serving (the C++ kernel's switched off
+    for the call)."""
+
+    def switched():
+        said = cpu_flash.weights_unfit
+        cpu_flash.weights_unfit = lambda *args: "switched off by the benchmark"
+        try:
+            return run()
+        finally:
+            cpu_flash.weights_unfit = said
+
+    return switched
 
 
 def bench_additive(rounds: int, skip_naive: bool) -> None:
