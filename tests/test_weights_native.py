@@ -52,7 +52,7 @@ def case(shape, mask_kind, dtype, seed=0):
     mask = None
     if mask_kind == "bool":  # a row that sees no key in each batch row
         mask = torch.rand(B, 1, L, S, generator=g) > 0.3
-        mask[:, :, 3] = False
+        mask[:, :, min(3, L - 1)] = False
     elif mask_kind == "bias":  # a float mask, -inf on some keys
         mask = torch.randn(B, H, 1, S, generator=g).masked_fill(
             torch.rand(B, H, 1, S) < 0.2, -np.inf
@@ -239,3 +239,23 @@ def test_bfloat16_gradients_within_twice_the_control_error(monkeypatch, average)
     for a, c, w in zip(got, control, want, strict=True):
         err, control_err = (a.double() - w).abs().max(), (c.double() - w).abs().max()
         assert err <= 2 * control_err, (err, control_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_that_fit_one_block_take_it_below_the_measured_rows(monkeypatch, dtype):
+    """All the scores in one block: the one-block path below ``NATIVE_FROM_ROWS`` query rows
+    (decoding), the C++ kernel's blocks from there; both equal the oracle."""
+    if dtype == torch.bfloat16 and not cf.native_bf16():
+        pytest.skip("bfloat16 products are float32 on this CPU: the torch-ops blocks serve")
+    monkeypatch.setattr(W, "WEIGHTS_BLOCK_BYTES", 8 * 2**20)
+    rows = W.NATIVE_FROM_ROWS[dtype]
+    for L, said in ((rows - 1, "in one block"), (rows, "blocked CPU kernel (C++"), (1, "in one")):
+        (q, k, v), mask = case((1, 4, 2, L, 70, 16, 8), "bool", dtype, seed=L)
+        assert said in str(AF.explain(q, k, v, mask, return_weights=True))
+        out, w = AF.scaled_dot_product_attention(q, k, v, mask, return_weights=True)
+        want_out, want_w = R.scaled_dot_product_attention(
+            np64(q), np64(k), np64(v), np64(mask), return_weights=True
+        )
+        tol = 2e-6 if dtype == torch.float32 else 2e-2  # (bfloat16: its rounding, 2^-8 of O(1))
+        np.testing.assert_allclose(np64(w), want_w, rtol=0, atol=tol)
+        np.testing.assert_allclose(np64(out), want_out, rtol=0, atol=2 * tol)

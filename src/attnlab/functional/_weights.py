@@ -142,7 +142,7 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
         weights = _memory.empty(B, 1 if average else H, L, S, like=q)
     if alignment == "bottom_right" and L == 1:
         alignment = None  # the last position sees every key
-    if block_shape(H, L, S, q.element_size(), B=B) == (B, H, L):
+    if one_block(q, k, v, mask, lse is not None):
         return _one_block(q * scale, k, v, mask, alignment, average, out, weights, lse)
     if lse is None and native(q, k, v, mask) is None:  # the C++ kernel's blocks
         return cpu_flash.forward_with_weights(q, k, v, mask, alignment, scale, weights)[0], weights
@@ -172,6 +172,25 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
         if average:
             weights[b, 0, rs].add_(w.sum(-3), alpha=1.0 / H)
     return out, weights
+
+
+# Where all the scores fit one block, the one-block path (six torch operators) or the C++
+# kernel's blocks: the C++ blocks were as fast or faster from L = 128 query rows in float32 and
+# from L = 16 in bfloat16; below, one block (decoding, L = 1-4: 1.3-2.3x faster than the C++
+# blocks, whose row blocks it leaves nearly empty). Measured with weights_out on 2 threads of an
+# AMX Xeon at (1-4, 8-32, 1-512, 64-2048 keys), E = 64.
+NATIVE_FROM_ROWS = {torch.float32: 128, torch.bfloat16: 16}
+
+
+def one_block(q, k, v, mask, lse=False) -> bool:
+    """Whether the weights of this call take the one-block path (:func:`_one_block`): all its
+    scores fit one block (``WEIGHTS_BLOCK_BYTES``), and the C++ kernel's blocks do not serve it
+    or serve it slower (:data:`NATIVE_FROM_ROWS`; ``lse``: a caller that needs the row
+    log-sum-exp, which they do not give)."""
+    B, H, L, _ = q.shape
+    if block_shape(H, L, k.shape[2], q.element_size(), B=B) != (B, H, L):
+        return False
+    return lse or L < NATIVE_FROM_ROWS.get(q.dtype, 0) or native(q, k, v, mask) is not None
 
 
 def native(q, k, v, mask) -> str | None:
@@ -240,10 +259,7 @@ class WeightsAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, alignment, scale, average):
         B, H, L, _ = q.shape
         ctx.alignment, ctx.scale, ctx.average = alignment, scale, average
-        ctx.native = (
-            block_shape(H, L, k.shape[2], q.element_size(), B=B) != (B, H, L)
-            and native(q, k, v, mask) is None
-        )
+        ctx.native = not one_block(q, k, v, mask) and native(q, k, v, mask) is None
         if ctx.native:  # the C++ kernel's blocks, forward and backward
             weights = _memory.empty(B, 1 if average else H, L, k.shape[2], like=q)
             out, stats = cpu_flash.forward_with_weights(q, k, v, mask, alignment, scale, weights)

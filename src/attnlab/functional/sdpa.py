@@ -65,6 +65,7 @@ from attnlab.functional._layout import (
 from attnlab.functional._weights import (
     WeightsAttention,
     block_shape,
+    one_block,
     weights_in_blocks,
 )
 from attnlab.functional._weights import native as native_weights
@@ -252,11 +253,9 @@ def _choose(
         elif grad:
             backward = "; with autograd: the backward reads the returned weights, block by block"
 
-        B, L = query.shape[0], query.shape[2]
         value = key if value is None else value
-        if (batches, heads, rows) != (B, H, L) and native_weights(
-            query, key, value, attn_mask
-        ) is None:
+        one = one_block(query, key, value, attn_mask)
+        if not one and native_weights(query, key, value, attn_mask) is None:
             if grad:
                 backward = (
                     "; with autograd: the backward by the same kernel's at::bmm blocks, the "
@@ -267,7 +266,7 @@ def _choose(
                 f"{kernels.describe(query, key, value, alignment, weights=return_weights)}"
                 f"{backward}"
             )
-        elif (batches, heads, rows) == (B, H, L):
+        elif one:
             group = f", each kv group's {H // Hkv} query heads as rows of its kv head"
             said = (
                 f"weights ({what}) and output computed together in one block (the whole "
@@ -542,10 +541,10 @@ def _plain_fused(query, key, value, is_causal, scale) -> torch.Tensor | None:
 def _native_weights_grad(query, key, value, mask) -> str | None:
     """None when the C++ kernel's blocks take weights with autograd in this (16-bit) dtype,
     else why not: the torch-ops weights blocks train float32/float64 only."""
-    B, H, L, S = *query.shape[:3], key.shape[-2]
-    if block_shape(H, L, S, query.element_size(), B=B) == (B, H, L):
+    value = key if value is None else value
+    if one_block(query, key, value, mask):
         return "not here: the scores fit one block, which the torch-ops blocks take"
-    why = native_weights(query, key, key if value is None else value, mask)
+    why = native_weights(query, key, value, mask)
     return None if why is None else f"not here: {why}"
 
 
