@@ -140,7 +140,18 @@ def bench_weights(args) -> None:
                         q, k, v, is_causal=is_causal, return_weights=True, weights_out=buf
                     )
                 ),
-            }
+                # the first pass by torch's flash kernel (TORCH_PASS1_ON, off until timed)
+                "  same, first pass torch's flash": torch_pass1(lambda: (
+                    attnlab.scaled_dot_product_attention(
+                        q, k, v, is_causal=is_causal, return_weights=True, weights_out=buf
+                    )
+                )),
+                "  averaged, first pass torch's flash": torch_pass1(lambda: (
+                    attnlab.scaled_dot_product_attention(
+                        q, k, v, is_causal=is_causal, return_weights="average"
+                    )
+                )),
+            }  # fmt: skip
             t = round_robin(cases, args.device, args.rounds)
         fused = t["fused (SDPA, no weights)"]
         nbytes = buf.numel() * buf.element_size()
@@ -154,6 +165,11 @@ def bench_weights(args) -> None:
             f" per head x{t['attnlab weights per head, weights_out'] / bound:.2f} of the bound"
             f" (<= 1.3; fresh tensor x{t['attnlab weights per head'] / bound:.2f})"
         )
+        pass1 = t["  same, first pass torch's flash"], t["  averaged, first pass torch's flash"]
+        print(
+            f"  with torch's flash as the first pass (TORCH_PASS1_ON): per head x"
+            f"{pass1[0] / bound:.2f} of the bound, averaged x{pass1[1] / fused:.2f} of fused"
+        )
         if args.sweep:
             with torch.no_grad():
                 sweep_tiles(args, "average", q, {
@@ -166,6 +182,22 @@ def bench_weights(args) -> None:
                         q, k, v, is_causal=is_causal, return_weights=True, weights_out=buf
                     ),
                 }, fused, "fused")  # fmt: skip
+
+
+def torch_pass1(run):
+    """``run`` with torch's flash kernel as the weights' first pass on this device (where it
+    serves: no mask, causal with L = S)."""
+    from attnlab.kernels import triton_attention as ta
+
+    def switched():
+        kept = ta.TORCH_PASS1_ON
+        ta.TORCH_PASS1_ON = ("cuda", "cpu")
+        try:
+            return run()
+        finally:
+            ta.TORCH_PASS1_ON = kept
+
+    return switched
 
 
 # Tiles to time per kernel (rows x keys x warps x stages), TILES in

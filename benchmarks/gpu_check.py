@@ -132,6 +132,50 @@ def check_weights(device, shapes, dtypes) -> None:
             judge(f"{name} averaged", avg, ref_w.mean(1), c_w.mean(1), dtype)
 
 
+def check_torch_pass1(device, n, dtypes) -> None:
+    """The weights with torch's flash kernel as their first pass (TORCH_PASS1_ON, off until
+    timed): it must serve these calls, and its log-sum-exp give the oracle's weights."""
+    print("== weights from torch's flash kernel's log-sum-exp (TORCH_PASS1_ON) ==")
+    from attnlab.kernels import triton_attention as ta
+
+    kept = ta.TORCH_PASS1_ON
+    ta.TORCH_PASS1_ON = (torch.device(device).type,)
+    try:
+        for dtype in dtypes:
+            if device != "cpu" and dtype == torch.float32:
+                continue  # (torch's CUDA flash kernel takes 16 bits)
+            for shape, alignment in (
+                ((2, 8, 8, n + 33, n, 64, 64), None),
+                ((1, 4, 4, n + 43, n + 43, 128, 128), "top_left"),
+            ):
+                B, H, Hkv, L, S, E, Ev = shape
+                (q0, k0, v0), (q, k, v) = inputs(*shape, device, dtype)
+                name = f"{str(dtype)[6:]} {shape} {alignment} torch pass 1"
+                kw = {"is_causal": alignment or False}
+                said = str(attnlab.explain(q, k, v, return_weights=True, **kw))
+                if "torch's flash kernel with row log-sum-exp" not in said:
+                    print(f"  FAIL {name}: not served ({said})")
+                    failures.append(f"{name}: not served")
+                    continue
+                with torch.no_grad():
+                    out, w = attnlab.scaled_dot_product_attention(
+                        q, k, v, return_weights=True, **kw
+                    )
+                    _, avg = AF.scaled_dot_product_attention(
+                        q, k, v, return_weights="average", **kw
+                    )
+                ref_out, ref_w = attnlab.scaled_dot_product_attention(
+                    q0, k0, v0, return_weights=True, **kw
+                )
+                mc = _causal(alignment, L, S, device) if alignment else None
+                c_out, c_w = naive(q, k, v, mc)
+                judge(f"{name} out", out, ref_out, c_out, dtype)
+                judge(f"{name} weights", w, ref_w, c_w, dtype)
+                judge(f"{name} averaged", avg, ref_w.mean(1), c_w.mean(1), dtype)
+    finally:
+        ta.TORCH_PASS1_ON = kept
+
+
 def _causal(alignment, L, S, device):
     return masks.causal_keep(L, S, alignment, device)
 
@@ -349,6 +393,7 @@ def main(argv=None) -> int:
         ((2, 4, 2, n // 2, n, 32, 64), None, "float"),
     ]  # fmt: skip
     section(check_weights, device, weights, dtypes)
+    section(check_torch_pass1, device, n, dtypes)
     if device == "cuda":
         section(check_flex, device, n, dtypes)
     flex_padding.SERVES_ON = ()

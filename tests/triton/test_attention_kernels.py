@@ -449,3 +449,30 @@ def test_a_structured_mask_changed_in_place_is_read_as_it_now_is(kind, edit):
         np.testing.assert_allclose(out.numpy(), want[0], rtol=1e-5, atol=1e-5)
         if weights:
             np.testing.assert_allclose(got[1].numpy(), want[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("average", [False, True], ids=["per head", "averaged"])
+@pytest.mark.parametrize("alignment", [None, "top_left"])
+def test_torch_flash_as_the_first_pass_gives_the_oracle_weights(monkeypatch, average, alignment):
+    """With torch's flash kernel as the weights' first pass (TORCH_PASS1_ON; on CPU tensors its
+    CPU kernel, which returns the row log-sum-exp too), the weights kernels read its lse as
+    (lse, 0) and give the oracle's weights; what it does not take keeps attnlab's forward."""
+    monkeypatch.setattr(ta, "TORCH_PASS1_ON", ("cpu",))
+    q, k, v = inputs(2, 4, 4, 61, 61 if alignment else 45, 16, 16)  # (L < S: the decode kernel)
+    rw = "average" if average else True
+    said = str(attnlab.explain(q, k, v, is_causal=alignment or False, return_weights=rw))
+    assert "torch's flash kernel with row log-sum-exp" in said
+    out, w = attnlab.scaled_dot_product_attention(
+        q, k, v, is_causal=alignment or False, return_weights=rw
+    )
+    want_out, want_w = oracle(q, k, v, None, alignment)
+    want_w = want_w.mean(1) if average else want_w
+    np.testing.assert_allclose(np64(w), want_w, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np64(out), want_out, rtol=0, atol=1e-5)
+    for refused in (  # a mask, GQA, E != Ev: attnlab's own forward
+        (q, k, v, make_mask("bool", 2, 4, 61, k.shape[2])),
+        (q, k[:, :2], v[:, :2], None),
+        (q, k, v[..., :8], None),
+    ):
+        said = str(attnlab.explain(*refused, return_weights=True))
+        assert "triton" in said and "forward with row log-sum-exp" in said

@@ -105,8 +105,11 @@ def unfit(q, k, v, mask, dropout_p, grad, return_weights=False) -> str | None:
     return triton_attention.supports(q, k, v, mask)
 
 
-def describe(q, k, return_weights, key_range, band=None, grad=False) -> str:
-    """One line for ``explain()``: which Triton kernel(s) run."""
+def describe(
+    q, k, return_weights, key_range, band=None, grad=False, v=None, mask=None, alignment=None
+) -> str:
+    """One line for ``explain()``: which Triton kernel(s) run (``v``, ``mask`` and
+    ``alignment``: whether torch's flash kernel gives the weights' first pass)."""
     G, L = q.shape[1] // k.shape[1], q.shape[2]
     decode = _decode_fits(q, k)
     parts = [f"attnlab Triton kernels ({_triton.where()})"]
@@ -117,8 +120,14 @@ def describe(q, k, return_weights, key_range, band=None, grad=False) -> str:
         )
     elif return_weights:
         what = "averaged over heads in the kernel" if return_weights == "average" else "per head"
+        from attnlab.kernels import triton_attention
+
+        first = "forward"
+        v = k if v is None else v
+        if triton_attention.torch_pass1_unfit(q, k, v, mask, alignment, key_range, band) is None:
+            first = "torch's flash kernel"
         parts.append(
-            f"forward with row log-sum-exp, then weights ({what}) = exp(s - lse) tile by tile"
+            f"{first} with row log-sum-exp, then weights ({what}) = exp(s - lse) tile by tile"
         )
     else:
         parts.append(
@@ -170,9 +179,15 @@ def run(
         if buffer is not None:
             weights = buffer.copy_(weights)
         return out, weights, False
-    out, stats = triton_attention.attention_forward(
-        q, k, v, mask, alignment, scale, key_range, band
-    )
+    if (
+        return_weights
+        and triton_attention.torch_pass1_unfit(q, k, v, mask, alignment, key_range, band) is None
+    ):  # (torch's flash kernel: the output and the row log-sum-exp)
+        out, stats = triton_attention.torch_forward(q, k, v, alignment, scale)
+    else:
+        out, stats = triton_attention.attention_forward(
+            q, k, v, mask, alignment, scale, key_range, band
+        )
     if not return_weights:
         return out, None, False
     bad = rows_to_fill(q, k, v, kv_finite)  # (B, H, L, 1) or None

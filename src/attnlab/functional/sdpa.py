@@ -218,7 +218,9 @@ def _choose(
             query, structure, return_weights, training, alignment
         ) or _triton.unfit(query, key, value, attn_mask, dropout_p, training, return_weights)
         if unfit is None:
-            said = _triton.describe(query, key, return_weights, *structure, training)
+            said = _triton.describe(
+                query, key, return_weights, *structure, training, value, attn_mask, alignment
+            )
             return Dispatch(
                 "triton", (said, *(() if flex is None else (f"not FlexAttention: {flex}",)))
             )

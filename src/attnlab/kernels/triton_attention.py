@@ -539,6 +539,54 @@ def attention_forward(
     return out, stats
 
 
+# Devices on which the weights' first pass (the output and each row's log-sum-exp) is torch's
+# own fused flash kernel instead of attnlab's Triton forward, where that kernel serves the call
+# (:func:`torch_pass1_unfit`): it took 0.4-0.5x the Triton forward's time without a mask on an
+# H100 and an H200 (SDPA against "attnlab's Triton kernels", benchmarks/results/), so the
+# weights would cost that much less. Empty until a GPU has timed the weights through it and
+# checked them: ``benchmarks/bench_gpu.py --only weights`` prints both first passes and
+# ``benchmarks/gpu_check.py`` checks this one. The tests run it on CPU tensors under the
+# interpreter, through torch's CPU flash kernel (which returns the log-sum-exp too).
+TORCH_PASS1_ON: tuple[str, ...] = ()
+
+
+def torch_pass1_unfit(q, k, v, mask, alignment, key_range, band) -> str | None:
+    """None when torch's flash kernel gives this call's first pass (:func:`torch_forward`),
+    else why not."""
+    B, H, L, E = q.shape
+    if q.device.type not in TORCH_PASS1_ON:
+        return f"torch's flash kernel is not the first pass on {q.device.type} (TORCH_PASS1_ON)"
+    if mask is not None or key_range is not None or band is not None:
+        return "a mask (torch's flash kernel takes none)"
+    if alignment is not None and L != k.shape[2]:
+        return "causal with L != S (torch's flash kernel aligns it its own way)"
+    if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        return f"{q.dtype} on CUDA (torch's flash kernel takes float16 and bfloat16)"
+    if E != v.shape[-1] or E % 8 or E > 256 or k.shape[1] != H:
+        return "head dims, or grouped kv heads, that torch's flash kernel is not given here"
+    return None
+
+
+def torch_forward(q, k, v, alignment, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_forward` by torch's fused flash kernel, which returns each row's
+    log-sum-exp ``lse`` (B, H, L): out, stats (B, H, L, 2) as (lse, 0), so that the weights
+    kernels' ``exp((s - m) - log l)`` is ``exp(s - lse)`` (no mask: no row without a key, and no
+    bias absorbing the scores; the lse rounds at 2^-24 of itself, under 16-bit weights' own
+    rounding while |lse| < 2^10). Only where :func:`torch_pass1_unfit` says None."""
+    L = q.shape[2]
+    causal = alignment is not None
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+    lse = lse[..., :L].float()  # (a kernel that pads its rows keeps them apart)
+    return out, torch.stack((lse, torch.zeros_like(lse)), -1)
+
+
 def row_lse(stats: torch.Tensor) -> torch.Tensor:
     """The row log-sum-exp (B, H, L) of :func:`attention_forward`'s statistics (+inf: no key)."""
     return stats[..., 0] + stats[..., 1]
