@@ -541,10 +541,11 @@ def attention_forward(
 
 # Devices on which the weights' first pass (the output and each row's log-sum-exp) is torch's
 # own fused flash kernel instead of attnlab's Triton forward, where that kernel serves the call
-# (:func:`torch_pass1_unfit`): it took 0.4-0.5x the Triton forward's time without a mask on an
-# H100 and an H200 (SDPA against "attnlab's Triton kernels", benchmarks/results/), so the
-# weights would cost that much less. Empty until a GPU has timed the weights through it and
-# checked them: ``benchmarks/bench_gpu.py --only weights`` prints both first passes and
+# (:func:`torch_pass1_unfit`). An estimate from other rows: SDPA's fused call without a mask
+# took 0.3-0.5x the time of the Triton forward with a padding mask (which skips about a quarter
+# of the keys) on an H200 (benchmarks/results/h200-2026-11-28), and the first pass is half or
+# more of the weights' time. Empty until a GPU has timed the weights through it and checked
+# them: ``benchmarks/bench_gpu.py --only weights`` prints both first passes and
 # ``benchmarks/gpu_check.py`` checks this one. The tests run it on CPU tensors under the
 # interpreter, through torch's CPU flash kernel (which returns the log-sum-exp too).
 TORCH_PASS1_ON: tuple[str, ...] = ()
