@@ -61,8 +61,11 @@ def case(shape, mask_kind, dtype, seed=0):
     return x, None if mask is None else (mask if mask.dtype == torch.bool else mask.to(dtype))
 
 
-@pytest.mark.parametrize("backend", ["brgemm", "at::bmm"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (bfloat16 weights take the C++ kernel through brgemm only: test_bfloat16_with_odd_head_dims...)
+BACKENDS = [("brgemm", torch.float32), ("at::bmm", torch.float32), ("brgemm", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize(
     "mask_kind,causal", [(None, False), ("bool", "bottom_right"), ("bias", "top_left")]
@@ -259,3 +262,80 @@ def test_scores_that_fit_one_block_take_it_below_the_measured_rows(monkeypatch, 
         tol = 2e-6 if dtype == torch.float32 else 2e-2  # (bfloat16: its rounding, 2^-8 of O(1))
         np.testing.assert_allclose(np64(w), want_w, rtol=0, atol=tol)
         np.testing.assert_allclose(np64(out), want_out, rtol=0, atol=2 * tol)
+
+
+def test_bfloat16_with_odd_head_dims_keeps_the_torch_ops_blocks():
+    """bfloat16 through the at::bmm blocks carried a NaN row's NaN into the next row (an odd
+    inner dimension) and gave the backward stale statistics: only the brgemm path serves it."""
+    (q, k, v), _ = case((1, 2, 1, 40, 29, 15, 8), None, torch.bfloat16)
+    said = str(AF.explain(q, k, v, return_weights=True))
+    assert "not the C++ blocked kernel: bfloat16 without the brgemm path" in said
+
+
+@pytest.mark.parametrize("backend", ["brgemm", "at::bmm"])
+@pytest.mark.parametrize("average", [False, True], ids=["per head", "averaged"])
+def test_a_nan_bias_makes_the_whole_row_nan_past_the_causal_limit_too(
+    monkeypatch, backend, average
+):
+    """A NaN in a float mask reaches every row that sees its key: the row is NaN whole, its
+    keys past the causal limit included (the kernel writes them without computing them), as
+    the float64 path and the oracle give it."""
+    backend_on(monkeypatch, backend, torch.float32)
+    (q, k, v), _ = case((1, 2, 1, 150, 70, 16, 16), None, torch.float32)
+    bias = torch.randn(1, 1, 1, 70)
+    bias[..., 40] = float("nan")  # rows from 120 (bottom-right: offset -80) see key 40
+    rw = "average" if average else True
+    with torch.no_grad():
+        _, w = AF.scaled_dot_product_attention(
+            q, k, v, bias, is_causal="bottom_right", return_weights=rw
+        )
+        _, want = AF.scaled_dot_product_attention(
+            *(t.double() for t in (q, k, v)), bias.double(), is_causal="bottom_right",
+            return_weights=rw,
+        )  # fmt: skip
+    nan, want_nan = w.isnan(), want.isnan()
+    assert want_nan[..., 120:, :].all() and not want_nan[..., :120, :].any()
+    assert torch.equal(nan, want_nan)
+
+
+@pytest.mark.parametrize("blocks", [8 * 2**20, 1], ids=["one block", "C++ blocks"])
+def test_a_second_derivative_raises_instead_of_dropping_out(monkeypatch, blocks):
+    monkeypatch.setattr(W, "WEIGHTS_BLOCK_BYTES", blocks)
+    q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for n in (40, 30, 30))
+    out, w = AF.scaled_dot_product_attention(q, k, v, return_weights=True)
+    (dq,) = torch.autograd.grad((out**2).sum() + (w**2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        ((out**2).sum() + (dq**2).sum()).backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("blocks", [8 * 2**20, 1], ids=["one block", "blocks"])
+def test_averaged_gradients_of_rows_a_huge_bias_covers(monkeypatch, dtype, blocks):
+    """Rows with finfo.min on every key have uniform weights; the averaged weights' backward
+    rebuilt them from the row log-sum-exp, whose rounding (half an ulp of finfo.min) made them
+    1 each, not 1/S: gradients 250x too large there. Each row's max and log-sum are kept apart
+    now (the torch-ops blocks; the C++ kernel's stats always were)."""
+    monkeypatch.setattr(W, "WEIGHTS_BLOCK_BYTES", blocks)
+    (q, k, v), _ = case((1, 4, 2, 40, 33, 16, 16), None, dtype, seed=2)
+    m = torch.zeros(1, 1, 40, 33, dtype=dtype)
+    m[..., 5:9, :] = torch.finfo(dtype).min
+    up = torch.randn(1, 40, 33, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def grads(x, run):  # (dq, dk: the weights do not depend on V)
+        x = [t.detach().requires_grad_() for t in x]
+        _, w = run(*x)
+        return torch.autograd.grad((w.double() * up).sum(), x[:2])
+
+    def readable(q, k, v):
+        kk = k.repeat_interleave(2, 1)
+        w = torch.softmax(q @ kk.transpose(-2, -1) * 16**-0.5 + m.to(q.dtype), -1)
+        return None, w.mean(1)
+
+    got = grads(
+        (q, k, v), lambda *x: AF.scaled_dot_product_attention(*x, m, return_weights="average")
+    )
+    want = grads([t.double() for t in (q, k, v)], readable)
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(
+            g.double(), r, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-10
+        )

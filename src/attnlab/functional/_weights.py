@@ -11,12 +11,14 @@ Forward, per block (h heads x r rows; ``m`` = the row maximum)::
 
     w = Qs_blk K^T (+ bias, masked -> -inf)        (h, r, S)   Qs = Q * scale
     w = softmax(w); rows with no key -> 0          the weights, in place
-    lse = m - log max(w)                           (h, r)      kept for the backward (>= fp32)
+    (m, log l), log l = -log max(w)               (h, r, 2)   kept for the backward (>= fp32)
     O_blk = w V                                    (h, r, Ev)
 
 Backward (:class:`WeightsAttention`), per block; ``w`` is the per-head weights the caller
-holds (saved with the output), or, for averaged weights, recomputed from ``lse`` (one GEMM and
-one exp): never a (B, H, L, S) tensor besides what the caller holds::
+holds (saved with the output), or, for averaged weights, recomputed as ``exp((s - m) - log l)``
+(one GEMM and one exp; the max and the log-sum apart: a row a huge bias covers, ``finfo.min``
+on every key, has ``|m|`` so large that ``m + log l`` rounds ``log l`` away, which made its
+weights 1 each, not 1/S): never a (B, H, L, S) tensor besides what the caller holds::
 
     dW = dO_blk V^T + dW_user                      (h, r, S)   (dW_user / H for averaged weights)
     dS = w * (dW - rowsum(dW * w))                 softmax's Jacobian, row by row, where
@@ -38,6 +40,7 @@ serve the rest (float64, float16, traced calls, a machine without a C++ compiler
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from attnlab.functional import _memory
 from attnlab.kernels import cpu_flash
@@ -127,13 +130,13 @@ def _mask_(w, keep, causal):
 
 
 @torch.no_grad()
-def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, lse=None):
+def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, stats=None):
     """Output (B, H, L, Ev) and weights (B, H, L, S), or (B, 1, L, S) averaged, in blocks.
 
-    ``weights``: a buffer to write into (a caller's ``weights_out``). ``lse``: a (B, H, L)
-    float32 (float64 for float64 inputs) tensor that receives each row's log-sum-exp (``-inf``
-    for rows with no key), for :class:`WeightsAttention`'s backward. With ``average`` the
-    (B, H, L, S) tensor never exists.
+    ``weights``: a buffer to write into (a caller's ``weights_out``). ``stats``: a (B, H, L, 2)
+    float32 (float64 for float64 inputs) tensor that receives each row's max score ``m``
+    (``-inf`` for rows with no key) and ``log l``, its log-sum-exp less ``m``, for
+    :class:`WeightsAttention`'s backward. With ``average`` the (B, H, L, S) tensor never exists.
     """
     B, H, L, _ = q.shape
     S, Ev = k.shape[2], v.shape[3]
@@ -142,9 +145,9 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
         weights = _memory.empty(B, 1 if average else H, L, S, like=q)
     if alignment == "bottom_right" and L == 1:
         alignment = None  # the last position sees every key
-    if one_block(q, k, v, mask, lse is not None):
-        return _one_block(q * scale, k, v, mask, alignment, average, out, weights, lse)
-    if lse is None and native(q, k, v, mask) is None:  # the C++ kernel's blocks
+    if one_block(q, k, v, mask, stats is not None):
+        return _one_block(q * scale, k, v, mask, alignment, average, out, weights, stats)
+    if stats is None and native(q, k, v, mask) is None:  # the C++ kernel's blocks
         return cpu_flash.forward_with_weights(q, k, v, mask, alignment, scale, weights)[0], weights
     qs = q * scale
     if average:
@@ -162,12 +165,12 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
             q_rows = qs[b, hs].reshape(n, -1, qs.shape[-1])  # -> (n, G * L, E)
             torch.matmul(q_rows, kb.transpose(-2, -1), out=_fold(w, n))
             blocks.mask_(w, b, hs, rs)  # (on the (h, L, S) view)
-            _softmax_(w, blocks.can_die, None if lse is None else lse[b, hs, rs])
+            _softmax_(w, blocks.can_die, None if stats is None else stats[b, hs, rs])
             torch.matmul(_fold(w, n), vb, out=_fold(out[b, hs], n))
         else:
             kb, vb = k[b, kv], v[b, kv]  # (h, S, E), (h, S, Ev)
             blocks.scores_(w, qs[b, hs, rs], kb, b, hs, rs)
-            _softmax_(w, blocks.can_die, None if lse is None else lse[b, hs, rs])
+            _softmax_(w, blocks.can_die, None if stats is None else stats[b, hs, rs])
             torch.matmul(w, vb, out=out[b, hs, rs])  # (h, r, S) @ (h, S, Ev)
         if average:
             weights[b, 0, rs].add_(w.sum(-3), alpha=1.0 / H)
@@ -182,15 +185,15 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, ls
 NATIVE_FROM_ROWS = {torch.float32: 128, torch.bfloat16: 16}
 
 
-def one_block(q, k, v, mask, lse=False) -> bool:
+def one_block(q, k, v, mask, stats=False) -> bool:
     """Whether the weights of this call take the one-block path (:func:`_one_block`): all its
     scores fit one block (``WEIGHTS_BLOCK_BYTES``), and the C++ kernel's blocks do not serve it
-    or serve it slower (:data:`NATIVE_FROM_ROWS`; ``lse``: a caller that needs the row
-    log-sum-exp, which they do not give)."""
+    or serve it slower (:data:`NATIVE_FROM_ROWS`; ``stats``: a caller that needs the row
+    statistics of :func:`weights_in_blocks`, which they do not give)."""
     B, H, L, _ = q.shape
     if block_shape(H, L, k.shape[2], q.element_size(), B=B) != (B, H, L):
         return False
-    return lse or L < NATIVE_FROM_ROWS.get(q.dtype, 0) or native(q, k, v, mask) is not None
+    return stats or L < NATIVE_FROM_ROWS.get(q.dtype, 0) or native(q, k, v, mask) is not None
 
 
 def native(q, k, v, mask) -> str | None:
@@ -209,7 +212,7 @@ def _fold(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.view(*t.shape[:-3], n, -1, t.shape[-1])
 
 
-def _one_block(qs, k, v, mask, alignment, average, out, weights, lse):
+def _one_block(qs, k, v, mask, alignment, average, out, weights, stats):
     """:func:`weights_in_blocks` when all the scores make one block (decoding: B x (H, 1, S)):
     each kv group's query heads as rows of its kv head, ``(B, H, L, *) -> (B, Hkv, G * L, *)``
     views, so that K and V are read once per kv head and a call is six operators, not the
@@ -220,26 +223,24 @@ def _one_block(qs, k, v, mask, alignment, average, out, weights, lse):
     torch.matmul(qs.reshape(B, Hkv, -1, E), k.transpose(-2, -1), out=_fold(w, Hkv))
     causal = None if alignment is None else causal_keep(L, k.shape[2], alignment, qs.device)
     _mask_(w, mask, causal)  # (on the (B, H, L, S) view, where the mask broadcasts)
-    _softmax_(w, mask is not None or causal is not None, lse)
+    _softmax_(w, mask is not None or causal is not None, stats)
     torch.matmul(_fold(w, Hkv), v, out=_fold(out, Hkv))
     if average:  # (as the block loop sums them: 0 + sum / H)
         torch.sum(w, 1, keepdim=True, out=weights).mul_(1.0 / H)
     return out, weights
 
 
-def _softmax_(w, can_die, lse):
-    """Softmax of a block's scores in place; dead rows 0; the row log-sum-exp into ``lse``
-    (the block's rows of it, a view), if given."""
-    top = w.amax(-1, keepdim=True) if can_die or lse is not None else None
+def _softmax_(w, can_die, stats):
+    """Softmax of a block's scores in place; dead rows 0; each row's max ``m`` and ``log l``
+    into ``stats`` (the block's rows of it, a view), if given."""
+    top = w.amax(-1, keepdim=True) if can_die or stats is not None else None
     dead = top == -inf if can_die else None  # (h, r, 1); a NaN row is not dead
     torch.softmax(w, -1, out=w)
-    if lse is not None:
-        # the largest weight is exp(top - lse), so lse = top - log(max w): one max-pass
-        # instead of logsumexp's, in float32 at least; -inf for rows with no key
-        row_lse = top.to(lse.dtype) - w.amax(-1, keepdim=True).to(lse.dtype).log()
-        if dead is not None:
-            row_lse.masked_fill_(dead, -inf)
-        lse.copy_(row_lse[..., 0])
+    if stats is not None:
+        # the largest weight is exp(m - lse) = 1 / l, so log l = -log(max w): one max-pass
+        # instead of logsumexp's, in float32 at least; m = -inf for rows with no key
+        stats[..., 0].copy_(top[..., 0])
+        stats[..., 1].copy_(w.amax(-1).to(stats.dtype).log().neg_())
     if dead is not None:
         w.masked_fill_(dead, 0.0)  # rows with no attendable key: weights 0
 
@@ -265,14 +266,15 @@ class WeightsAttention(torch.autograd.Function):
             out, stats = cpu_flash.forward_with_weights(q, k, v, mask, alignment, scale, weights)
             ctx.save_for_backward(q, k, v, stats, mask, weights)
             return out, weights
-        lse = q.new_empty(B, H, L, dtype=torch.promote_types(q.dtype, torch.float32))
-        out, weights = weights_in_blocks(q, k, v, mask, alignment, scale, average, lse=lse)
+        stats = q.new_empty(B, H, L, 2, dtype=torch.promote_types(q.dtype, torch.float32))
+        out, weights = weights_in_blocks(q, k, v, mask, alignment, scale, average, stats=stats)
         # per head, the weights the caller holds are the backward's w: saved, not recomputed
         # (an in-place change to them then fails the backward loudly, as torch.softmax's does)
-        ctx.save_for_backward(q, k, v, out, lse, mask, None if average else weights)
+        ctx.save_for_backward(q, k, v, out, stats, mask, None if average else weights)
         return out, weights
 
     @staticmethod
+    @once_differentiable  # (its blocks run without a graph: a second derivative raises)
     def backward(ctx, d_out, d_weights):
         if ctx.native:
             q, k, v, stats, mask, _ = ctx.saved_tensors  # (the weights: saved, so that an
@@ -283,7 +285,7 @@ class WeightsAttention(torch.autograd.Function):
                 d_out, q, k, v, stats, mask, ctx.alignment, ctx.scale, d_weights
             )
             return *grads, None, None, None, None
-        q, k, v, out, lse, mask, weights = ctx.saved_tensors
+        q, k, v, out, stats, mask, weights = ctx.saved_tensors
         scale, average = ctx.scale, ctx.average
         H = q.shape[1]
         # (dq contiguous, as out= of its blocks: q may be a view of (B, L, H, E) projections,
@@ -304,10 +306,10 @@ class WeightsAttention(torch.autograd.Function):
                 w = weights[b, hs, rs]  # (h, r, S)
             else:
                 w = blocks.scores_(w_buf[:h, :r], qs[b, hs, rs], kb, b, hs, rs)
-                row_lse = lse[b, hs, rs, None].to(w.dtype)  # (h, r, 1)
-                w = torch.exp(w.sub_(row_lse), out=w)
-                if blocks.can_die:
-                    w.masked_fill_(row_lse == -inf, 0.0)  # dead rows: exp(-inf + inf) = NaN -> 0
+                m, logl = stats[b, hs, rs].to(w.dtype).unbind(-1)  # (h, r) each
+                w = torch.exp(w.sub_(m[..., None]).sub_(logl[..., None]), out=w)
+                if blocks.can_die:  # dead rows: exp(-inf + inf) = NaN -> 0
+                    w.masked_fill_(m[..., None] == -inf, 0.0)
             do = d_out[b, hs, rs]  # (h, r, Ev)
             dw = torch.matmul(do, vb.transpose(-2, -1), out=dw_buf[:h, :r])  # (h, r, S)
             rows = d_rows[b, hs, rs]  # (h, r, 1)

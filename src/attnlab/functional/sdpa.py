@@ -249,7 +249,7 @@ def _choose(
         backward = ""
         if grad and return_weights == "average":
             backward = (
-                "; with autograd: saves Q, K, V and the row log-sum-exp, the backward "
+                "; with autograd: saves Q, K, V and each row's max and log-sum, the backward "
                 "recomputes each block's weights"
             )
         elif grad:

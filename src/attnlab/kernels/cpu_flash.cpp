@@ -306,7 +306,8 @@ void weights_row(const Params& p, const in_t* srow, out_t* prow, int64_t N, int6
     for (int64_t c = 0; c < n; ++c) t[c] *= norm;
   }
   store_row(t, prow, n);
-  std::fill(prow + n, prow + width, static_cast<out_t>(0.f));
+  // (past the row's keys: 0, or NaN in a row a NaN reached, NaN whole as the formula's)
+  std::fill(prow + n, prow + width, static_cast<out_t>(total != total ? kNaN : 0.f));
   stats[row * p.sw] = m;
   stats[row * p.sw + 1] = std::log(total);
 }
@@ -321,6 +322,13 @@ inline T* weights_of(T* weights, const Params& p, int64_t row) {
 template <typename T>
 inline void zero_weights(T* weights, const Params& p, int64_t row0, int64_t R) {
   if (weights != nullptr) std::fill(weights + row0 * p.S, weights + (row0 + R) * p.S, T(0.f));
+}
+
+// What a row's weights hold past its block's keys N (past the causal limit): 0, or NaN in a row
+// that a NaN reached (its stats say so: a NaN max or log-sum), NaN whole as the formula's.
+inline float past_keys(const Params& p, const float* stats, int64_t row) {
+  const float* st = stats + row * p.sw;
+  return st[0] != st[0] || st[1] != st[1] ? kNaN : 0.f;
 }
 
 // A block: query rows r0:r1 of the G heads of the nb groups (batch row, kv head) g0:g0+nb,
@@ -353,14 +361,19 @@ void forward_block(const Params& p, const Tensor& q3, const Tensor& k3, const Te
     const int64_t gi = g0 + r / M, g = (r % M) / R, i = r0 + r % R;
     mm_t* prow = p_ptr + r * N;
     weights_row<mm_t, mm_t>(p, s_ptr + r * N, prow, N, N, gi, g, i, t, keep, words, stats);
-    if (mm_t* wrow = weights_of(weights, p, (gi * G + g) * p.L + i)) {  // (h = j G + g)
+    const int64_t row = (gi * G + g) * p.L + i;  // (h = j G + g)
+    if (mm_t* wrow = weights_of(weights, p, row)) {
       std::copy(prow, prow + N, wrow);
-      std::fill(wrow + N, wrow + p.S, mm_t(0.f));  // (keys past the causal limit)
+      std::fill(wrow + N, wrow + p.S, mm_t(past_keys(p, stats, row)));
     }
     if (avg != nullptr) {
       float* arow = avg + (i - r0) * p.S;
       const float inv_h = 1.f / static_cast<float>(p.H);
       for (int64_t c = 0; c < N; ++c) arow[c] += static_cast<float>(prow[c]) * inv_h;
+      if (N < p.S) {
+        const float past = past_keys(p, stats, row);
+        if (past != 0.f) std::fill(arow + N, arow + p.S, past);  // (NaN)
+      }
     }
   }
   Tensor vb = v3.narrow(0, g0, nb).narrow(1, 0, N);

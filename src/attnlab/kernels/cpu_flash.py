@@ -228,6 +228,10 @@ def weights_unfit(q, k, v, mask) -> str | None:
         return why
     if q.dtype != _products_dtype(q.dtype):
         return f"{q.dtype} on this CPU: its products are float32, the weights {q.dtype}"
+    if q.dtype == torch.bfloat16 and not _brgemm(q.dtype, q.shape[-1], v.shape[-1]):
+        # (at::bmm's bfloat16 products with an odd inner dimension carried a NaN row's NaN into
+        # the next row, and its bfloat16 scores gave the backward's float32 ones stale stats)
+        return "bfloat16 without the brgemm path (odd head dims, or no brgemm on this CPU)"
     if _under_torch_func() or torch.compiler.is_compiling():
         return "traced or transformed (the C++ kernel is not an operator that returns weights)"
     return cpu_flash_native.unavailable()

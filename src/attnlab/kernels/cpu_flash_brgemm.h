@@ -625,7 +625,7 @@ inline void stream_row(const float* x, bf16* y, int64_t n, float scale) {
 // product's W).
 template <typename T>
 void store_weights(const Params& p, const float* st, const Block& b, const float* norm,
-                   T* rows, float* buf) {
+                   const float* stats, T* rows, float* buf) {
   const int64_t N = b.N, R = b.R, S = p.S, ld = buf_ld(N);
   for (int64_t i0 = 0; i0 < R; i0 += 16) {  // 16 rows at a time: buf stays in L1 / L2
     const int64_t n = std::min<int64_t>(16, R - i0);
@@ -637,7 +637,7 @@ void store_weights(const Params& p, const float* st, const Block& b, const float
       } else {
         stream_row(buf + i * ld, row, N, norm[i0 + i]);
       }
-      std::fill(row + N, row + S, T(0.f));
+      std::fill(row + N, row + S, T(past_keys(p, stats, b.row0 + i0 + i)));
     }
   }
 }
@@ -645,7 +645,7 @@ void store_weights(const Params& p, const float* st, const Block& b, const float
 // avg (R x S rows of a row block, float32) += the block's W / H (16 rows at a time through
 // `buf`, as store_weights).
 void add_weights(const Params& p, const float* st, const Block& b, const float* norm,
-                 bool normalised, float* avg, float* buf) {
+                 bool normalised, const float* stats, float* avg, float* buf) {
   const int64_t N = b.N, R = b.R, S = p.S, ld = buf_ld(N);
   const float inv_h = 1.f / static_cast<float>(p.H);
   for (int64_t i0 = 0; i0 < R; i0 += 16) {
@@ -657,6 +657,8 @@ void add_weights(const Params& p, const float* st, const Block& b, const float* 
       float* y = avg + (i0 + i) * S;
 #pragma omp simd
       for (int64_t c = 0; c < N; ++c) y[c] += x[c] * scale;
+      const float past = past_keys(p, stats, b.row0 + i0 + i);
+      if (past != 0.f) std::fill(y + N, y + S, past);  // (a NaN row: NaN whole)
     }
   }
 }
@@ -714,8 +716,9 @@ void forward_group_brgemm(const Params& p, const Tensor& q3, const Tensor& k3, c
       for_vectors(b.nv(), [&](auto nv) {
         softmax_cols<T, decltype(nv)::value>(p, st, b, unit, stats, draws, pt_p, norm);
       });
-      if (T* wrows = weights_of(weights, p, b.row0)) store_weights(p, st, b, norm, wrows, wbuf);
-      if (avg != nullptr) add_weights(p, st, b, norm, !kPairs<T>, avg, wbuf);
+      if (T* wrows = weights_of(weights, p, b.row0))
+        store_weights(p, st, b, norm, stats, wrows, wbuf);
+      if (avg != nullptr) add_weights(p, st, b, norm, !kPairs<T>, stats, avg, wbuf);
       {
         std::optional<HiddenColumn> hidden;  // P^T Z / rho: packed bfloat16, or St's rows
         if constexpr (kPairs<T>) {
