@@ -171,6 +171,12 @@ def propagate_nonfinite(query, key, value, out, weights=None, kv_finite=None):
     bad = rows_to_fill(query, key, value, kv_finite)
     if bad is None:
         return out, weights
+    return fill_rows(out, weights, bad)
+
+
+def fill_rows(out, weights, bad):
+    """``out`` (..., L, Ev) and ``weights`` (..., H or 1, L, S) or None with the rows ``bad``
+    (:func:`rows_to_fill`) NaN."""
     out = fill_nan(out, bad)
     if weights is not None:
         if weights.dim() >= 3 and bad.dim() >= 3 and weights.shape[-3] == 1 < bad.shape[-3]:

@@ -69,7 +69,12 @@ from attnlab.functional._weights import (
     weights_in_blocks,
 )
 from attnlab.functional._weights import native as native_weights
-from attnlab.functional.nonfinite import is_finite_assumed, propagate_nonfinite
+from attnlab.functional.nonfinite import (
+    fill_rows,
+    is_finite_assumed,
+    propagate_nonfinite,
+    rows_to_fill,
+)
 from attnlab.functional.softmax import LOW_PRECISION, masked_softmax
 from attnlab.kernels import flex_padding
 from attnlab.masks import plain
@@ -594,6 +599,19 @@ def attention_with(
     if scale is None and decision.path != "fused":  # (fused: torch's default, 1/sqrt(E) too)
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0  # E = 0: every score is 0
     weights, screened = None, False
+    # torch's 16-bit products on the CPU (oneDNN) with an odd inner dimension carry one row's
+    # NaN or inf into the next row (torch.bmm itself, on an AMX Xeon): where they serve a call
+    # that takes no gradient, the rule's rows are found first and the rest computed from finite
+    # inputs (what a row the rule leaves alone reads is finite)
+    first = (
+        decision.path in ("weights", "eager")
+        and q.is_cpu
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and not _needs_grad(q, k, v)
+    )
+    bad = rows_to_fill(q, k, v, kv_finite) if first else None
+    if bad is not None:
+        q, k, v = (t.nan_to_num(0.0, 0.0, 0.0) for t in (q, k, v))
     if decision.path == "fused":
         out = _fused(q, k, v, mask, alignment, scale, dropout_p)
     elif decision.path == "triton":
@@ -617,7 +635,9 @@ def attention_with(
         if return_weights == "average":
             weights = weights.mean(1, keepdim=True)
     # NaN/inf in the inputs propagate (no path may turn them into numbers): see nonfinite_rows
-    if not screened:
+    if first and bad is not None:
+        out, weights = fill_rows(out, weights if return_weights else None, bad)
+    elif not screened and not first:
         weights = weights if return_weights else None
         out, weights = propagate_nonfinite(q, k, v, out, weights, kv_finite)
     if buffer is not None:
