@@ -420,3 +420,19 @@ def test_the_operator_gives_stats_of_the_width_its_graph_was_traced_with(
         torch.testing.assert_close(out, ref, **tol)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, **tol)
+
+
+def test_bfloat16_with_odd_head_dims_multiplies_in_float32():
+    """torch's bfloat16 products here carry a NaN of one row into the next where the inner
+    dimension is odd (torch.bmm itself): with an odd head dim the kernel's bfloat16 products
+    made rows beside a NaN row NaN. Odd head dims take float32 products (16-bit inputs widened,
+    as on CPUs without native bfloat16): only the NaN row is NaN."""
+    q, k, v = inputs(1, 2, 1, 32, 29, 15, 8, dtype=torch.bfloat16)
+    if cf.native_bf16():
+        assert "bfloat16 inputs widened: odd head dims" in describe(q, k, v, None)
+    q[0, 0, 9, 0] = float("nan")
+    out = flash_attention(q, k, v, None, None, 15**-0.5, 0.0)
+    assert out[0, 0].isnan().any(-1).nonzero().flatten().tolist() == [9]
+    want = _eager(*(t.double() for t in (q, k, v)), None, None, 15**-0.5, 0.0)[0]
+    fine = ~want.isnan()
+    torch.testing.assert_close(out.double()[fine], want[fine], rtol=0, atol=2e-2)

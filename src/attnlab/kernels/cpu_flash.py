@@ -101,10 +101,16 @@ HUGE_MAX = 2.0**10
 inf = float("inf")
 
 
-def _products_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The blocks' product dtype for inputs of ``dtype``: bfloat16 where the CPU multiplies it
-    natively, float64 for float64, else float32 (16-bit inputs widened once)."""
-    if dtype == torch.float64 or dtype == torch.bfloat16 and native_bf16():
+def _products_dtype(dtype: torch.dtype, E: int = 2, Ev: int = 2) -> torch.dtype:
+    """The blocks' product dtype for inputs of ``dtype`` and head dims ``E``, ``Ev``: bfloat16
+    where the CPU multiplies it natively and the head dims are even, float64 for float64, else
+    float32 (16-bit inputs widened once). (torch's bfloat16 products on the CPU, oneDNN's, with
+    an odd inner dimension carry a NaN or an inf of one row into the next row: an odd head dim
+    made rows beside a NaN row NaN; the brgemm path, which odd head dims cannot take, hides its
+    odd key column.)"""
+    if dtype == torch.float64:
+        return dtype
+    if dtype == torch.bfloat16 and native_bf16() and E % 2 == 0 and Ev % 2 == 0:
         return dtype
     return torch.float32
 
@@ -148,6 +154,8 @@ def describe(q, k, v, alignment, weights=False) -> str:
     call of :func:`forward_with_weights` (the C++ kernel's, which writes the weights)."""
     plan = _Plan(q, k, v, None, alignment, 1.0, 0.0, 0)
     products = "bfloat16" if plan.mm_dtype == torch.bfloat16 else "float32"
+    if q.dtype == torch.bfloat16 and plan.mm_dtype == torch.float32 and native_bf16():
+        products += " (bfloat16 inputs widened: odd head dims)"
     # (a trace cannot read the thread count: the graph runs with the caller's)
     threads = "the caller's" if torch.compiler.is_compiling() else torch.get_num_threads()
     if plan.native() is not None and not _under_torch_func():
@@ -167,8 +175,7 @@ def describe(q, k, v, alignment, weights=False) -> str:
             if weights == "average":
                 saves = "sums each row block's weights over the heads (float32), then writes them"
         elif plan.mm_dtype == torch.bfloat16:
-            why = "odd head dims" if plan.E % 2 or plan.Ev % 2 else "no brgemm for this CPU"
-            products += f" (at::bmm; {why})"
+            products += " (at::bmm; no brgemm for this CPU)"
         return (
             f"blocked CPU kernel (C++, cpu_flash.cpp): {blocks} per block, {products} "
             f"products, {threads} thread(s); {saves}"
@@ -226,12 +233,12 @@ def weights_unfit(q, k, v, mask) -> str | None:
     why = supports(q, k, v, mask, 0.0)
     if why is not None:
         return why
-    if q.dtype != _products_dtype(q.dtype):
-        return f"{q.dtype} on this CPU: its products are float32, the weights {q.dtype}"
+    if q.dtype != _products_dtype(q.dtype, q.shape[-1], v.shape[-1]):
+        return f"{q.dtype} here: its products are float32, the weights {q.dtype}"
     if q.dtype == torch.bfloat16 and not _brgemm(q.dtype, q.shape[-1], v.shape[-1]):
-        # (at::bmm's bfloat16 products with an odd inner dimension carried a NaN row's NaN into
-        # the next row, and its bfloat16 scores gave the backward's float32 ones stale stats)
-        return "bfloat16 without the brgemm path (odd head dims, or no brgemm on this CPU)"
+        # (at::bmm's bfloat16 products with an odd key count carry a NaN row's NaN into the
+        # next row, and its bfloat16 scores gave the backward's float32 ones stale stats)
+        return "bfloat16 without the brgemm path (no brgemm for this CPU)"
     if _under_torch_func() or torch.compiler.is_compiling():
         return "traced or transformed (the C++ kernel is not an operator that returns weights)"
     return cpu_flash_native.unavailable()
@@ -324,7 +331,7 @@ class _Plan:
             B, H, Hkv, H // Hkv, L, S, E, Ev,
         )  # fmt: skip
         self.dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # softmax
-        self.mm_dtype = _products_dtype(q.dtype)
+        self.mm_dtype = _products_dtype(q.dtype, E, Ev)
         self.offset = None if alignment is None else (S - L if alignment == "bottom_right" else 0)
         self.rows = min(L, BLOCK_ROWS)
         if self.mm_dtype == torch.bfloat16 and H // Hkv * L * S * 4 <= ONE_BLOCK_BYTES_BF16:
@@ -708,7 +715,7 @@ def _(q, k, v, mask, alignment, scale, dropout_p, seed, width):
 
 def _stats_width(dtype: torch.dtype, E: int, Ev: int) -> int:
     """The last dim of ``stats`` from an exact forward (the operator's: a graph may train)."""
-    mm = _products_dtype(dtype)
+    mm = _products_dtype(dtype, E, Ev)
     native = mm != torch.float64 and cpu_flash_native.module() is not None
     return 2 + Ev if native and _brgemm(mm, E, Ev) else 2
 
