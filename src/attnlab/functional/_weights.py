@@ -145,9 +145,10 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, st
         weights = _memory.empty(B, 1 if average else H, L, S, like=q)
     if alignment == "bottom_right" and L == 1:
         alignment = None  # the last position sees every key
-    if one_block(q, k, v, mask, stats is not None):
+    kind, _ = path(q, k, v, mask, stats is not None)
+    if kind == "one block":
         return _one_block(q * scale, k, v, mask, alignment, average, out, weights, stats)
-    if stats is None and native(q, k, v, mask) is None:  # the C++ kernel's blocks
+    if kind == "native":  # the C++ kernel's blocks
         return cpu_flash.forward_with_weights(q, k, v, mask, alignment, scale, weights)[0], weights
     qs = q * scale
     if average:
@@ -185,15 +186,21 @@ def weights_in_blocks(q, k, v, mask, alignment, scale, average, weights=None, st
 NATIVE_FROM_ROWS = {torch.float32: 128, torch.bfloat16: 16}
 
 
-def one_block(q, k, v, mask, stats=False) -> bool:
-    """Whether the weights of this call take the one-block path (:func:`_one_block`): all its
-    scores fit one block (``WEIGHTS_BLOCK_BYTES``), and the C++ kernel's blocks do not serve it
-    or serve it slower (:data:`NATIVE_FROM_ROWS`; ``stats``: a caller that needs the row
-    statistics of :func:`weights_in_blocks`, which they do not give)."""
+def path(q, k, v, mask, stats=False) -> tuple[str, str | None]:
+    """Which weights path a call takes: ``"one block"`` (:func:`_one_block`), ``"native"``
+    (the C++ kernel's blocks) or ``"blocks"`` (the torch-ops blocks), and why the C++ kernel
+    does not serve it (None where it does, or where one block is taken without asking: below
+    :data:`NATIVE_FROM_ROWS`). One block where all the scores fit one block
+    (``WEIGHTS_BLOCK_BYTES``) and the C++ kernel does not serve or serves slower; ``stats``: a
+    caller that needs the row statistics of :func:`weights_in_blocks`, which it does not give."""
     B, H, L, _ = q.shape
-    if block_shape(H, L, k.shape[2], q.element_size(), B=B) != (B, H, L):
-        return False
-    return stats or L < NATIVE_FROM_ROWS.get(q.dtype, 0) or native(q, k, v, mask) is not None
+    fits = block_shape(H, L, k.shape[2], q.element_size(), B=B) == (B, H, L)
+    if fits and (stats or L < NATIVE_FROM_ROWS.get(q.dtype, 0)):
+        return "one block", None  # (decoding's hot path asks no more)
+    why = "the row statistics are asked for" if stats else native(q, k, v, mask)
+    if why is None:
+        return "native", None
+    return ("one block" if fits else "blocks"), why
 
 
 def native(q, k, v, mask) -> str | None:
@@ -260,7 +267,7 @@ class WeightsAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, alignment, scale, average):
         B, H, L, _ = q.shape
         ctx.alignment, ctx.scale, ctx.average = alignment, scale, average
-        ctx.native = not one_block(q, k, v, mask) and native(q, k, v, mask) is None
+        ctx.native = path(q, k, v, mask)[0] == "native"
         if ctx.native:  # the C++ kernel's blocks, forward and backward
             weights = _memory.empty(B, 1 if average else H, L, k.shape[2], like=q)
             out, stats = cpu_flash.forward_with_weights(q, k, v, mask, alignment, scale, weights)

@@ -62,13 +62,8 @@ from attnlab.functional._layout import (
     grouped_weighted_sum,
     with_causal,
 )
-from attnlab.functional._weights import (
-    WeightsAttention,
-    block_shape,
-    one_block,
-    weights_in_blocks,
-)
-from attnlab.functional._weights import native as native_weights
+from attnlab.functional._weights import WeightsAttention, block_shape, weights_in_blocks
+from attnlab.functional._weights import path as weights_path
 from attnlab.functional.nonfinite import (
     fill_rows,
     is_finite_assumed,
@@ -261,8 +256,8 @@ def _choose(
             backward = "; with autograd: the backward reads the returned weights, block by block"
 
         value = key if value is None else value
-        one = one_block(query, key, value, attn_mask)
-        if not one and native_weights(query, key, value, attn_mask) is None:
+        kind, why_not = weights_path(query, key, value, attn_mask)
+        if kind == "native":
             if grad:
                 backward = (
                     "; with autograd: the backward by the same kernel's at::bmm blocks, the "
@@ -273,7 +268,7 @@ def _choose(
                 f"{kernels.describe(query, key, value, alignment, weights=return_weights)}"
                 f"{backward}"
             )
-        elif one:
+        elif kind == "one block":
             group = f", each kv group's {H // Hkv} query heads as rows of its kv head"
             said = (
                 f"weights ({what}) and output computed together in one block (the whole "
@@ -283,7 +278,7 @@ def _choose(
             said = (
                 f"weights ({what}) and output computed together in blocks of {heads} head(s) "
                 f"x {rows} query rows in torch ops (not the C++ blocked kernel: "
-                f"{native_weights(query, key, value, attn_mask)}), written in place: "
+                f"{why_not}), written in place: "
                 f"extra memory one block, not (B, H, L, S){backward}"
             )
         return Dispatch("weights", (said,))
@@ -548,11 +543,10 @@ def _plain_fused(query, key, value, is_causal, scale) -> torch.Tensor | None:
 def _native_weights_grad(query, key, value, mask) -> str | None:
     """None when the C++ kernel's blocks take weights with autograd in this (16-bit) dtype,
     else why not: the torch-ops weights blocks train float32/float64 only."""
-    value = key if value is None else value
-    if one_block(query, key, value, mask):
+    kind, why = weights_path(query, key, key if value is None else value, mask)
+    if kind == "one block":
         return "not here: the scores fit one block, which the torch-ops blocks take"
-    why = native_weights(query, key, value, mask)
-    return None if why is None else f"not here: {why}"
+    return None if kind == "native" else f"not here: {why}"
 
 
 def attention_with(
