@@ -165,17 +165,18 @@ def describe(q, k, v, alignment, weights=False) -> str:
         saves = "saves the row log-sum-exp"
         blocks = f"{plan.G}*{rows} query rows of {groups} kv head(s) x every visible key"
         if plan.brgemm():  # (a head's rows per block; the backward's keys in chunks)
-            blocks = f"{rows} query rows of one head x every visible key (backward: 512 keys)"
+            blocks = f"{rows} query rows of one head x every visible key"
+            if not weights:  # (the backward's key chunks: not a weights call's)
+                blocks += " (backward: 512 keys)"
             products += " (oneDNN brgemm: float32 scores and sums)"
             saves += " (and, for a backward, float32 output)"
-        saves += ", not the weights"
-        if weights:  # (the backward's chunks are not this call's)
-            blocks = blocks.split(" (backward")[0]
-            saves = "writes each block's weights as it makes them"
-            if weights == "average":
-                saves = "sums each row block's weights over the heads (float32), then writes them"
         elif plan.mm_dtype == torch.bfloat16:
             products += " (at::bmm; no brgemm for this CPU)"
+        saves += ", not the weights"
+        if weights == "average":
+            saves = "sums each row block's weights over the heads (float32), then writes them"
+        elif weights:
+            saves = "writes each block's weights as it makes them"
         return (
             f"blocked CPU kernel (C++, cpu_flash.cpp): {blocks} per block, {products} "
             f"products, {threads} thread(s); {saves}"
