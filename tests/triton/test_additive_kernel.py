@@ -171,8 +171,11 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("kept", [True, False], ids=["scores-kept", "scores-recomputed"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-L{c[1]}-S{c[2]}-{c[7]}-{c[8]}")
-def test_float32_output_and_gradients_against_the_oracle(case, kernel_calls):
+def test_float32_output_and_gradients_against_the_oracle(case, kept, kernel_calls, monkeypatch):
+    if not kept:  # the backward rebuilds the scores, as past the budget
+        monkeypatch.setattr(triton_additive, "STORED_SCORES_BYTES", 0)
     lead, L, S, Dq, Dk, Dv, A, kind, causal = case
     leaves64 = make(lead, L, S, Dq, Dk, Dv, A)
     mask = mask_of(kind, lead, L, S)
@@ -384,3 +387,68 @@ def test_bf16_gradients_stay_within_twice_the_naive_formulas_error():
     for name, e, c, a in zip(NAMES, exact, control, got, strict=False):
         err, bound = (a.double() - e).abs().max().item(), 2 * (c.double() - e).abs().max().item()
         assert err <= bound, (name, err, bound)
+
+
+# forward and backward tiles of other shapes: the backward reads kept scores in tiles the causal
+# forward never visited (filled with -inf) and tiles it wrote in parts
+OTHER_TILES = [
+    triton_additive.Tiling(triton_additive.Blocks(16, 16, 1), triton_additive.Blocks(32, 16, 1)),
+    triton_additive.Tiling(triton_additive.Blocks(32, 16, 1), triton_additive.Blocks(16, 32, 1)),
+]
+
+
+@pytest.mark.parametrize("tiling", OTHER_TILES, ids=["fwd16x16-bwd32x16", "fwd32x16-bwd16x32"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-L{c[1]}-S{c[2]}-{c[7]}-{c[8]}")
+def test_kept_scores_give_the_recomputing_backwards_gradients_bit_for_bit(case, tiling):
+    """The interpreter runs each tile's arithmetic element by element in a fixed order, so the
+    scores the forward keeps are the ones the backward would rebuild: any tile read wrongly
+    (an unvisited causal tile, a partial edge, a mask applied twice) changes a gradient."""
+    lead, L, S, Dq, Dk, Dv, A, kind, causal = case
+    leaves = [t.float() for t in make(lead, L, S, Dq, Dk, Dv, A, seed=11)]
+    query, key, value, w_query, w_key, w_score, bias = leaves
+    N = int(np.prod(lead)) if lead else 1
+    mask = mask_of(kind, lead, L, S)
+    if mask is not None:
+        mask = mask.float() if mask.dtype != torch.bool else mask
+        mask = mask.expand(*lead, L, S).reshape(N, L, S)
+    alignment = None if not causal else ("top_left" if causal is True else causal)
+    a = (query @ w_query.T + bias).reshape(N, L, A)
+    b = (key @ w_key.T).reshape(N, S, A)
+    v = value.reshape(N, S, Dv)
+    up = torch.randn(N, L, Dv, generator=torch.Generator().manual_seed(12))
+    runs = []
+    for keep in (True, False):
+        ins = [t.clone().requires_grad_() for t in (a, b, w_score, v)]
+        out = triton_additive.additive_attention(
+            *ins, mask, alignment, tiling=tiling, keep_scores=keep
+        )
+        runs.append([out, *torch.autograd.grad(out, ins, up)])
+    for name, kept, again in zip(("output", "a", "b", "w", "value"), *runs, strict=True):
+        assert torch.isfinite(kept).all(), name
+        assert torch.equal(kept, again), f"{name}: {(kept - again).abs().max().item():.3g}"
+
+
+def test_scores_are_kept_in_training_within_the_budget_only(monkeypatch):
+    leaves = [t.float() for t in make((2,), 9, 11, 3, 3, 2, 4, seed=6)]
+    kept = []
+    launch = triton_additive._AdditiveAttention.apply
+
+    def spy(*args):
+        kept.append(args[-1])
+        return launch(*args)
+
+    monkeypatch.setattr(triton_additive._AdditiveAttention, "apply", spy)
+    AF.additive_attention(*leaves[:6], bias=leaves[6])  # nothing requires grad
+    with torch.no_grad():
+        AF.additive_attention(*leaves[:6], bias=leaves[6].requires_grad_())
+    AF.additive_attention(*leaves[:6], bias=leaves[6])  # training: 2 x 9 x 11 floats
+    because = str(AF.explain_additive(*leaves[:6], bias=leaves[6]))
+    assert "keeps the (..., L, S) float32 scores for the backward (0.000755 MiB" in because
+    monkeypatch.setattr(triton_additive, "STORED_SCORES_BYTES", 4 * 2 * 9 * 11 - 1)
+    AF.additive_attention(*leaves[:6], bias=leaves[6])
+    assert kept == [False, False, True, False]
+    because = str(AF.explain_additive(*leaves[:6], bias=leaves[6]))
+    assert "the backward recomputes the scores (they would take" in because
+    with torch.no_grad():
+        because = str(AF.explain_additive(*leaves[:6], bias=leaves[6]))
+    assert "nothing kept for a backward" in because

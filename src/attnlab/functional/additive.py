@@ -19,8 +19,9 @@ also runs in bounded memory:
 
 On CUDA (and on CPU under ``TRITON_INTERPRET=1``) :func:`additive_attention` runs attnlab's fused
 Triton kernel instead (:mod:`attnlab.kernels.triton_additive`): the same math tiled over (L, S)
-with an online softmax, so not even the (B, L, S) scores are stored. It falls back to the path
-above for what it does not take (weights requested, dropout, float64, ...);
+with an online softmax; it keeps the (B, L, S) scores for the backward only in training and up
+to a budget (past it the backward rebuilds them). It falls back to the path above for what it
+does not take (weights requested, dropout, float64, ...);
 :func:`explain_additive` says which path a call takes and why.
 """
 
@@ -413,7 +414,8 @@ def explain_additive(
         from attnlab.kernels import triton_additive
 
         return Dispatch(
-            "triton", (triton_additive.describe(query, key, value, w_score),)
+            "triton",
+            (triton_additive.describe(query, key, value, w_score, w_query, w_key, bias),),
         ).noting_assumption()
     A, L, S = w_score.shape[0], query.shape[-2], key.shape[-2]
     readable = _readable_because()

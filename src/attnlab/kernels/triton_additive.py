@@ -10,22 +10,24 @@ Math (per batch row; ``a = W_q q + bias`` (L, A) and ``b = W_k k`` (S, A) come f
     da_ik = sum_j dS_ij w_k (1 - t_ijk^2)     db_jk = sum_i dS_ij w_k (1 - t_ijk^2)
     dw_k  = sum_ij dS_ij t_ijk
 
-Nothing of size (B, L, S, A) is ever formed, and not even the (B, L, S) scores: the forward
-keeps the row log-sum-exp ``lse`` (B, L) and the output, and the backward recomputes each tile.
+Nothing of size (B, L, S, A) is ever formed. The forward keeps the row log-sum-exp ``lse``
+(B, L) and the output; in training it also keeps the masked (B, L, S) scores in float32 when they
+take at most :data:`STORED_SCORES_BYTES` (32 MiB at B=8, L=S=1024), as the chunked CPU path does.
+Past that the backward recomputes each tile's scores.
 
-Cost. Unlike dot-product attention this is not a matrix multiply: every (i, j, k) costs one tanh,
-a few adds and one multiply-add, so the bound is the GPU's special-function units (SFU). Here
-``tanh(x) = 1 - 2 r`` with ``r = 1 / (exp2(2 log2(e) x) + 1)``: one ``exp2`` and one reciprocal,
-two SFU operations (Triton has no portable ``tanh``; this form also runs in the interpreter), and
-the backward's slope ``1 - tanh^2 = 4 e r^2`` (``e`` the exp2) costs two multiplies, no SFU. ``a``
-and ``b`` are stored pre-scaled by ``2 log2(e)``, so the argument is one add. The forward
-evaluates B L S A tanh, the backward 2 B L S A (once to rebuild the scores, once for the
-gradients), about half of each when causal. P V, dO V^T and P^T dO are ``tl.dot`` s, a small
+Cost. Unlike dot-product attention this is not a matrix multiply: every (i, j, k) costs one tanh, a
+few adds and one multiply-add, so the bound is the GPU's special-function units (SFU). Here
+``tanh(x) = 1 - 2 r`` with ``r = 1 / (exp2(2 log2(e) x) + 1)``: one ``exp2`` and one reciprocal, two
+SFU operations (Triton has no portable ``tanh``; this form also runs in the interpreter), and the
+backward's slope ``1 - tanh^2 = 4 e r^2`` (``e`` the exp2) costs two multiplies, no SFU. ``a`` and
+``b`` are stored pre-scaled by ``2 log2(e)``, so the argument is one add. The forward evaluates B L
+S A tanh, the backward B L S A for the gradients, and B L S A more to rebuild the scores where they
+were not kept; about half of each when causal. P V, dO V^T and P^T dO are ``tl.dot`` s, a small
 share of the time (at A = Dv they are 3 of the ~9 B L S A-sized operations of the backward).
 
 Bound: an H100 SXM has 132 SMs x 16 SFU results per clock (compute capability 9.0) x ~1.98 GHz =
 4.2e12 SFU operations/s, so 2.1e12 tanh/s with two operations per tanh: at B=8, L=S=1024, A=256
-the 3 B L S A = 6.4e9 tanh of forward + backward take >= 3.1 ms.
+the 2 B L S A = 4.3e9 tanh of forward + backward take >= 2.0 ms (3.1 ms with the scores rebuilt).
 
 Tiling::
 
@@ -39,19 +41,19 @@ Tiling::
   with an online softmax (running max ``m``, sum ``l`` and output ``acc`` (BLOCK_L, Dv) in
   registers), as Triton's fused-attention tutorial. The score tile is built by a loop over the
   A columns, one tanh plane per column. Causal rows stop at their last visible key block.
-* **Backward**: a program owns ``BLOCK_S`` keys of one batch row and walks the query blocks that
-  can see them (FlashAttention-2's order). Per tile: pass 1 over A rebuilds ``s``, then ``P`` from
-  ``lse``; ``dP = dO V^T`` and ``dV += P^T dO`` walk Dv in chunks of ``BACKWARD_VALUE_CHUNK``
-  columns (few registers for any Dv), then ``dS``. Pass 2 over A recomputes ``t`` and reduces
-  ``g = dS w_k (1 - t^2)`` along both axes, and ``dS t`` to one number. ``db``, ``dV`` (float32)
-  and the program's row of ``dw`` partials belong to this program alone; ``da`` rows are shared
-  by every key block, so they are added with atomics, and each program starts its walk at a
-  different query block (rotated by its key block) so that concurrent programs rarely add to the
-  same rows. The alternatives cost more tanh: a second kernel per query block for ``da`` (a
+* **Backward**: a program owns ``BLOCK_S`` keys of one batch row and walks the query blocks that can
+  see them (FlashAttention-2's order). Per tile: pass 1 loads the kept ``s`` (or rebuilds it over
+  A), then ``P`` from ``lse``; ``dP = dO V^T`` and ``dV += P^T dO`` walk Dv in chunks of
+  ``BACKWARD_VALUE_CHUNK`` columns (few registers for any Dv), then ``dS``. Pass 2 over A recomputes
+  ``t`` and reduces ``g = dS w_k (1 - t^2)`` along both axes, and ``dS t`` to one number. ``db``,
+  ``dV`` (float32) and the program's row of ``dw`` partials belong to this program alone; ``da``
+  rows are shared by every key block, so they are added with atomics, and each program starts its
+  walk at a different query block (rotated by its key block) so that concurrent programs rarely add
+  to the same rows. The alternatives cost more tanh: a second kernel per query block for ``da`` (a
   fourth pass), or storing ``dS`` (B, L, S). Atomics make the float32 summation order, not the
-  result, vary between runs. ``db``, ``dV`` and ``dw`` are added with (relaxed) atomics too,
-  without contention: a program only revisits its own addresses, and an atomic read-modify-write
-  needs no barrier between the threads of a program (a plain load-add-store would).
+  result, vary between runs. ``db``, ``dV`` and ``dw`` are added with (relaxed) atomics too, without
+  contention: a program only revisits its own addresses, and an atomic read-modify-write needs no
+  barrier between the threads of a program (a plain load-add-store would).
 
 Dtypes: ``a``, ``b``, ``w``, the scores, softmax statistics and accumulators are float32; V, the
 output and dO stay in the inputs' dtype (float32, bfloat16, float16), and P is cast to it for the
@@ -74,6 +76,7 @@ tiling and the backward's order).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -90,6 +93,9 @@ TWO_LOG2E = 2.0 / math.log(2.0)  # tanh(x) = 1 - 2 / (exp2(TWO_LOG2E * x) + 1)
 EXP2_CAP = tl.constexpr(64.0)  # exp2's argument is capped (tanh is 1.0 in float32 from 26 on)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_VALUE_DIM = 256  # the forward's output tile (BLOCK_L, Dv) lives in registers
+# Training keeps the forward's (N, L, S) float32 scores for the backward up to this size: one
+# tanh pass of three saved (the chunked CPU path keeps them too); past it they are recomputed
+STORED_SCORES_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -212,10 +218,11 @@ def _visible(
 
 @triton.jit
 def _fwd_kernel(
-    AT, BT, W, V, M, O, LSE,
+    AT, BT, W, V, M, O, LSE, SC,
     L, S, A, DV, offset,
     svn, svs, svd, smn, sml, sms,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+    STORE: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     pid_l, n = _program(tl.cdiv(L, BLOCK_L))  # n int64: base offsets
@@ -235,6 +242,9 @@ def _fwd_kernel(
         cols = j0 + tl.arange(0, BLOCK_S)
         s = _score_tile(a_ptr, b_ptr, W, rows, cols, L, S, A, BLOCK_L, BLOCK_S)
         s = _visible(s, m_ptr, rows, cols, L, S, offset, smn, sml, sms, MASK, CAUSAL)
+        if STORE:  # the masked scores, kept for the backward (SC: (N, L, S) float32)
+            inside = (rows[:, None] < L) & (cols[None, :] < S)
+            tl.store(SC + n * L * S + rows[:, None] * S + cols[None, :], s, mask=inside)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row seeing nothing yet: p = 0
         alpha = tl.exp(m_i - m_use)
@@ -261,10 +271,11 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_kernel(
-    AT, BT, W, V, M, DO, LSE, DELTA, DAT, DBT, DWP, DV32,
+    AT, BT, W, V, M, DO, LSE, DELTA, DAT, DBT, DWP, DV32, SC,
     L, S, A, DV, offset,
     svn, svs, svd, smn, sml, sms,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+    STORED: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     key_blocks = tl.cdiv(S, BLOCK_S)
@@ -285,10 +296,18 @@ def _bwd_kernel(
         i0 = (first + (it + pid_s) % count) * BLOCK_L  # rotated start: fewer colliding atomics
         rows = i0 + tl.arange(0, BLOCK_L)
         row_ok = rows < L
-        # pass 1: the scores again, P, and dP = dO V^T with dV += P^T dO, BLOCK_DV columns at a
-        # time (dV in float32, added by this program alone: few registers for any Dv)
-        s = _score_tile(a_ptr, b_ptr, W, rows, cols, L, S, A, BLOCK_L, BLOCK_S)
-        s = _visible(s, m_ptr, rows, cols, L, S, offset, smn, sml, sms, MASK, CAUSAL)
+        # pass 1: the scores (kept by the forward, or again), P, and dP = dO V^T with
+        # dV += P^T dO, BLOCK_DV columns at a time (dV in float32, added by this program alone:
+        # few registers for any Dv)
+        if STORED:  # (where the causal forward never went, SC was filled with -inf)
+            s = tl.load(
+                SC + n * L * S + rows[:, None] * S + cols[None, :],
+                mask=row_ok[:, None] & col_ok[None, :],
+                other=float("-inf"),
+            )
+        else:
+            s = _score_tile(a_ptr, b_ptr, W, rows, cols, L, S, A, BLOCK_L, BLOCK_S)
+            s = _visible(s, m_ptr, rows, cols, L, S, offset, smn, sml, sms, MASK, CAUSAL)
         rmax, logl = _row_stats(LSE, n * L + rows, row_ok)
         p = tl.where(s == float("-inf"), 0.0, tl.exp((s - rmax[:, None]) - logl[:, None]))
         p_t = tl.trans(p.to(DO.dtype.element_ty))  # (BLOCK_S, BLOCK_L)
@@ -355,7 +374,7 @@ def products(dtype: torch.dtype) -> dict:
 
 class _AdditiveAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, w, value, mask, alignment, tiling):
+    def forward(ctx, a, b, w, value, mask, alignment, tiling, keep):
         N, L, A = a.shape
         S, DV = b.shape[1], value.shape[2]
         at = (a * TWO_LOG2E).transpose(1, 2).contiguous()  # (N, L, A) -> (N, A, L), pre-scaled
@@ -367,17 +386,21 @@ class _AdditiveAttention(torch.autograd.Function):
         # over A (gradients of a, b, w 3-10x worse than the naive bf16 formula)
         out = value.new_empty(N, L, DV, dtype=torch.float32)
         stats = a.new_empty(N, L, 2)  # each row's max and log of its sum (_row_stats)
+        scores = None  # kept: -inf where a causal forward skips a tile (its keys are masked)
+        if keep:
+            causal = alignment is not None
+            scores = a.new_full((N, L, S), float("-inf")) if causal else a.new_empty(N, L, S)
         meta = dict(MASK=kind, CAUSAL=alignment is not None, **products(value.dtype))
         blk = tiling.forward
         with _triton.on_device(value):
             _fwd_kernel[(triton.cdiv(L, blk.rows) * N,)](
-                at, bt, w, value, m, out, stats,
+                at, bt, w, value, m, out, stats, stats if scores is None else scores,
                 L, S, A, DV, _offset(alignment, L, S),
                 *value.stride(), *m_strides,
-                **meta, BLOCK_L=blk.rows, BLOCK_S=blk.keys,
+                **meta, STORE=keep, BLOCK_L=blk.rows, BLOCK_S=blk.keys,
                 BLOCK_DV=max(16, triton.next_power_of_2(DV)), num_warps=blk.warps,
             )  # fmt: skip
-        ctx.save_for_backward(at, bt, w, value, m, out, stats)
+        ctx.save_for_backward(at, bt, w, value, m, out, stats, scores)
         ctx.meta, ctx.tiling = meta, tiling
         ctx.m_strides, ctx.offset = m_strides, _offset(alignment, L, S)
         return out.to(value.dtype)
@@ -385,7 +408,7 @@ class _AdditiveAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        at, bt, w, value, m, out, stats = ctx.saved_tensors
+        at, bt, w, value, m, out, stats, scores = ctx.saved_tensors
         N, A, L = at.shape
         S, DV = bt.shape[2], value.shape[2]
         grad_out = grad_out.contiguous()
@@ -398,15 +421,16 @@ class _AdditiveAttention(torch.autograd.Function):
         with _triton.on_device(value):
             _bwd_kernel[(key_blocks * N,)](
                 at, bt, w, value, m, grad_out, stats, delta, dat, dbt, dw_parts, dvalue,
+                stats if scores is None else scores,
                 L, S, A, DV, ctx.offset,
                 *value.stride(), *ctx.m_strides,
-                **ctx.meta, BLOCK_L=blk.rows, BLOCK_S=blk.keys,
+                **ctx.meta, STORED=scores is not None, BLOCK_L=blk.rows, BLOCK_S=blk.keys,
                 BLOCK_DV=min(max(16, triton.next_power_of_2(DV)), BACKWARD_VALUE_CHUNK),
                 num_warps=blk.warps,
             )  # fmt: skip
         da = dat.transpose(1, 2)  # (N, A, L) -> (N, L, A)
         db = dbt.transpose(1, 2)  # (N, A, S) -> (N, S, A)
-        return da, db, dw_parts.sum((0, 1)), dvalue.to(value.dtype), None, None, None
+        return da, db, dw_parts.sum((0, 1)), dvalue.to(value.dtype), None, None, None, None
 
 
 def additive_attention(
@@ -417,6 +441,7 @@ def additive_attention(
     mask: torch.Tensor | None = None,
     alignment: str | None = None,
     tiling: Tiling | None = None,
+    keep_scores: bool | None = None,
 ) -> torch.Tensor:
     """softmax(w . tanh(a_i + b_j) + M) V, fused: (N,L,A), (N,S,A), (A,), (N,S,Dv) -> (N,L,Dv).
 
@@ -429,13 +454,42 @@ def additive_attention(
             (N, L, S) -- an expanded view is read in place through its (zero) strides.
         alignment: None, "top_left" or "bottom_right" causal (see :mod:`attnlab.masks`).
         tiling: tile sizes; :func:`tiling_for` Dv by default.
+        keep_scores: keep the (N, L, S) float32 scores for the backward (saving it one of its
+            two tanh passes) or recompute them there; :func:`keeps_scores` by default.
 
     Differentiable in ``a``, ``b``, ``w`` and ``value``. Call :func:`supports` first.
     """
     tiling = tiling or tiling_for(value.shape[-1])
+    N, L, S = a.shape[0], a.shape[1], b.shape[1]
+    if keep_scores is None:
+        keep_scores = keeps_scores(N, L, S, (a, b, w, value))
     return _AdditiveAttention.apply(
-        a.contiguous(), b.contiguous(), w, value.contiguous(), mask, alignment, tiling
+        a.contiguous(), b.contiguous(), w, value.contiguous(), mask, alignment, tiling, keep_scores
     )
+
+
+def keeps_scores(N: int, L: int, S: int, leaves) -> bool:
+    """Whether a call keeps its (N, L, S) float32 scores for the backward: when autograd will
+    call it (grad mode on, a leaf that requires grad) and they take at most
+    :data:`STORED_SCORES_BYTES`."""
+    fits = 4 * N * L * S <= STORED_SCORES_BYTES and L * S <= _triton.INT32_MAX + 1
+    return fits and _training(leaves)
+
+
+def _training(leaves) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+
+
+@contextlib.contextmanager
+def scores_budget(nbytes: int):
+    """Within the block, :data:`STORED_SCORES_BYTES` is ``nbytes`` (0: every backward rebuilds
+    its scores; for benchmarks and checks that time or test both backwards). Not thread-safe."""
+    global STORED_SCORES_BYTES
+    before, STORED_SCORES_BYTES = STORED_SCORES_BYTES, nbytes
+    try:
+        yield
+    finally:
+        STORED_SCORES_BYTES = before
 
 
 def supports(query, key, value, attn_mask, A: int = 1) -> str | None:
@@ -464,13 +518,29 @@ def supports(query, key, value, attn_mask, A: int = 1) -> str | None:
     return _triton.offsets_unfit(value=value, attn_mask=attn_mask)
 
 
-def describe(query, key, value, w_score) -> str:
-    """The kernel and its tiling in one line (for ``explain_additive()``)."""
+def describe(query, key, value, w_score, *weights) -> str:
+    """The kernel and its tiling in one line (for ``explain_additive()``); ``weights``: the
+    other tensors a gradient may be asked for (``w_query``, ``w_key``, ``bias`` or None)."""
     fwd = tiling_for(value.shape[-1]).forward
+    L, S = query.shape[-2], key.shape[-2]
+    N = math.prod(broadcast_shapes(query.shape[:-2], key.shape[:-2]))
+    leaves = (query, key, value, w_score, *(t for t in weights if t is not None))
+    if keeps_scores(N, L, S, leaves):
+        kept = (
+            f"keeps the (..., L, S) float32 scores for the backward ({4 * N * L * S / 2**20:.3g} "
+            f"MiB <= {STORED_SCORES_BYTES >> 20} MiB), which recomputes the tanh once"
+        )
+    elif _training(leaves):
+        kept = (
+            f"the backward recomputes the scores (they would take {4 * N * L * S / 2**20:.3g} "
+            f"MiB > {STORED_SCORES_BYTES >> 20} MiB) and then the tanh once more"
+        )
+    else:
+        kept = "nothing kept for a backward (no gradient needed)"
     return (
         f"fused additive kernel, {_triton.where()}: tiles of {fwd.rows} query rows x {fwd.keys} "
         f"keys, A={w_score.shape[0]} tanh per score, online softmax; saves the row log-sum-exp, "
-        "never the (..., L, S, A) tanh nor the scores; the backward recomputes them"
+        f"never the (..., L, S, A) tanh; {kept}"
     )
 
 
