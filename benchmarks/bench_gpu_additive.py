@@ -45,7 +45,6 @@ DTYPES = (torch.float32, torch.bfloat16)
 # exp2 and reciprocal at 16 results per clock per SM on compute capability 8.x and 9.0).
 SFU_PER_CLOCK_PER_SM = 16
 ASSUMED_CLOCK_HZ = 1.98e9  # H100 SXM boost clock; sustained clocks under load can be lower
-SFU_OPS_PER_TANH = 2  # the kernel's tanh: one exp2 and one reciprocal
 # Tiles to sweep, rows x keys x warps, for the forward and for the backward apart (the backward
 # reduces each tanh plane along both axes once per column of A; the forward never reduces).
 # 2 warps only with 32 rows: compiled for sm_90, 2-warp tiles of 64+ rows spilled 20-135 KB
@@ -84,8 +83,25 @@ def attnlab_recomputed(query, key, value, w_query, w_key, w_score, bias):
     """The kernel with its backward rebuilding the scores, as past the kept scores' budget."""
     from attnlab.kernels import triton_additive as K
 
-    with K.scores_budget(0):
+    with K.settings(STORED_SCORES_BYTES=0):
         return attnlab_additive(query, key, value, w_query, w_key, w_score, bias)
+
+
+def attnlab_other_tanh(query, key, value, w_query, w_key, w_score, bias):
+    """The kernel with the other tanh of the two (:func:`other_tanh`)."""
+    from attnlab.kernels import triton_additive as K
+
+    on = () if value.dtype in K.HARDWARE_TANH_ON else (value.dtype,)
+    with K.settings(HARDWARE_TANH_ON=on):
+        return attnlab_additive(query, key, value, w_query, w_key, w_score, bias)
+
+
+def other_tanh(dtype: torch.dtype) -> str:
+    """The tanh the dispatch does not use for ``dtype``: the SFU's tanh.approx.f32 or exp2 and
+    a reciprocal (``triton_additive.HARDWARE_TANH_ON``)."""
+    from attnlab.kernels import triton_additive as K
+
+    return "exp2 + reciprocal" if dtype in K.HARDWARE_TANH_ON else "tanh.approx.f32"
 
 
 def forward(fn, leaves):
@@ -104,22 +120,31 @@ def forward_backward(fn, leaves, grad):
 
 
 def sfu_limit(device: str) -> tuple[float, str]:
-    """tanh per second at the SFU limit, and the line that states the assumptions."""
+    """SFU operations per second, and the line that states the assumptions."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
     ops = sms * SFU_PER_CLOCK_PER_SM * ASSUMED_CLOCK_HZ
-    return ops / SFU_OPS_PER_TANH, (
+    return ops, (
         f"SFU limit assumed: {sms} SMs x {SFU_PER_CLOCK_PER_SM} results/clock x "
-        f"{ASSUMED_CLOCK_HZ / 1e9:.2f} GHz = {ops:.3g} ops/s; {SFU_OPS_PER_TANH} per tanh -> "
-        f"{ops / SFU_OPS_PER_TANH:.3g} tanh/s"
+        f"{ASSUMED_CLOCK_HZ / 1e9:.2f} GHz = {ops:.3g} ops/s"
     )
 
 
-def first_row_errors(leaves, chunk: int = 128) -> tuple[float, float]:
-    """max|error| of the kernel and of the naive formula on batch row 0, against float64."""
+def tanh_limit(ops: float, dtype: torch.dtype) -> tuple[float, str]:
+    """tanh per second at the SFU limit for the kernel's tanh in ``dtype``: one operation
+    (tanh.approx.f32) or two (exp2 and a reciprocal)."""
+    from attnlab.kernels import triton_additive as K
+
+    per = 1 if K.hardware_tanh(dtype) else 2
+    return ops / per, f"{per} SFU op(s) per tanh -> {ops / per:.3g} tanh/s"
+
+
+def first_row_errors(leaves, chunk: int = 128, fn=attnlab_additive) -> tuple[float, float]:
+    """max|error| of the kernel (``fn``) and of the naive formula on batch row 0, against
+    float64."""
     one = [t[:1].detach() if t.dim() == 3 else t.detach() for t in leaves]
     L = one[0].shape[1]
     with torch.no_grad():
-        ours = attnlab_additive(*one).double()
+        ours = fn(*one).double()
         ctl = torch.cat([naive(one[0][:, i : i + chunk], *one[1:]) for i in range(0, L, chunk)], 1)
         ref = torch.cat(
             [
@@ -131,25 +156,21 @@ def first_row_errors(leaves, chunk: int = 128) -> tuple[float, float]:
     return (ours - ref).abs().max().item(), (ctl.double() - ref).abs().max().item()
 
 
-def bench_dtype(args, shape: dict, dtype: torch.dtype, limit: float) -> None:
+def bench_dtype(args, shape: dict, dtype: torch.dtype, ops: float) -> None:
     B, L, S, A = (shape[n] for n in "BLSA")
     leaves = make_inputs(shape, args.device, dtype)
     grad = torch.randn(B, L, shape["D"], device=args.device, dtype=dtype)
-    print(f"\n-- {str(dtype).removeprefix('torch.')}: B={B} L={L} S={S} D={shape['D']} A={A}")
-    print("  path: " + str(explain_additive(*leaves[:6], bias=leaves[6])))
-    fwd = round_robin(
-        {"naive": forward(naive, leaves), "attnlab": forward(attnlab_additive, leaves)},
-        args.device,
-        args.rounds,
+    limit, per = tanh_limit(ops, dtype)
+    print(
+        f"\n-- {str(dtype).removeprefix('torch.')}: B={B} L={L} S={S} D={shape['D']} A={A}; {per}"
     )
+    print("  path: " + str(explain_additive(*leaves[:6], bias=leaves[6])))
+    hw = {"hw": attnlab_other_tanh} if args.device == "cuda" else {}  # (compiled only)
+    fwd = {"naive": naive, "attnlab": attnlab_additive, **hw}
+    fwd = round_robin({k: forward(f, leaves) for k, f in fwd.items()}, args.device, args.rounds)
+    both = {"naive": naive, "attnlab": attnlab_additive, "recomputed": attnlab_recomputed, **hw}
     both = round_robin(
-        {
-            "naive": forward_backward(naive, leaves, grad),
-            "attnlab": forward_backward(attnlab_additive, leaves, grad),
-            "recomputed": forward_backward(attnlab_recomputed, leaves, grad),
-        },
-        args.device,
-        args.rounds,
+        {k: forward_backward(f, leaves, grad) for k, f in both.items()}, args.device, args.rounds
     )
     tanh = B * L * S * A
     row("naive formula, forward", fwd["naive"])
@@ -175,6 +196,15 @@ def bench_dtype(args, shape: dict, dtype: torch.dtype, limit: float) -> None:
         f"(vs kept); {both['naive'] / both['recomputed']:.1f}x faster than naive; "
         f"{3 * tanh / both['recomputed']:.3g} tanh/s = {3 * tanh / both['recomputed'] / limit:.0%}",
     )
+    if hw:
+        other = other_tanh(dtype)
+        row(f"  forward, {other}", fwd["hw"], fwd["attnlab"], "(vs the default tanh)")
+        row(
+            f"  forward+backward, {other}",
+            both["hw"],
+            both["attnlab"],
+            f"(vs the default); {both['naive'] / both['hw']:.1f}x faster than naive",
+        )
     mem = {
         name: peak_mib(forward_backward(fn, leaves, grad), args.device)
         for name, fn in (("naive", naive), ("attnlab", attnlab_additive))
@@ -190,9 +220,12 @@ def bench_dtype(args, shape: dict, dtype: torch.dtype, limit: float) -> None:
         f"  accuracy, batch row 0, max|error| vs float64: kernel {err:.3g}, naive formula in "
         f"the same dtype {ctl:.3g} (x{err / ctl if ctl else float('nan'):.2f})"
     )
+    if hw:
+        err = first_row_errors(leaves, fn=attnlab_other_tanh)[0]
+        print(f"  the same with {other}: kernel {err:.3g} (x{err / ctl:.2f} the naive's)")
 
 
-def sweep(args, shape: dict, dtype: torch.dtype, limit: float) -> None:
+def sweep(args, shape: dict, dtype: torch.dtype, ops: float) -> None:
     """Forward time per forward tile, then forward+backward time per backward tile (the
     forward's kept at its default), of the kernel alone."""
     from attnlab.kernels import triton_additive as K
@@ -206,6 +239,7 @@ def sweep(args, shape: dict, dtype: torch.dtype, limit: float) -> None:
     grad = torch.randn(B, L, D, device=args.device, dtype=dtype)
     default = K.tiling_for(D)
     tanh = B * L * S * A
+    limit = tanh_limit(ops, dtype)[0]
     for direction in ("forward", "backward"):
         print(
             f"\n-- sweep ({str(dtype).removeprefix('torch.')}), {direction} tiles, rows x keys x "
@@ -233,7 +267,7 @@ def sweep(args, shape: dict, dtype: torch.dtype, limit: float) -> None:
             except Exception as e:  # a tile that does not compile or fit: say so, go on
                 print(f"{label}: failed ({type(e).__name__}: {e})"[:160])
                 continue
-            count = tanh if direction == "forward" else 3 * tanh
+            count = tanh if direction == "forward" else 2 * tanh  # (the scores kept)
             mark = "  <- TILINGS now" if blocks == getattr(default, direction) else ""
             what = "forward" if direction == "forward" else "forward+backward"
             print(
@@ -247,14 +281,14 @@ def run(args) -> None:
     Both float32 and bfloat16 run whatever ``args.dtype`` says: the targets name both.
     """
     shape = SMOKE_SHAPE if args.smoke else SHAPE
-    limit, assumption = sfu_limit(args.device)
+    ops, assumption = sfu_limit(args.device)
     print("\n== additive: fused Triton kernel vs the naive formula ==")
-    print(assumption + " (the hardware tanh.approx would be 1 op)")
+    print(assumption)
     for dtype in DTYPES:  # both benchmarks first: a call cut short loses only sweep rows
-        bench_dtype(args, shape, dtype, limit)
+        bench_dtype(args, shape, dtype, ops)
     if getattr(args, "sweep", False):
         for dtype in DTYPES:
-            sweep(args, shape, dtype, limit)
+            sweep(args, shape, dtype, ops)
 
 
 def main(argv=None) -> int:

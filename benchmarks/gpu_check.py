@@ -26,7 +26,6 @@ on the same device (plus a rounding floor), and each call must run on the Triton
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import platform
 import sys
@@ -294,6 +293,8 @@ def check_decode(device, S, dtypes) -> None:
 
 
 def check_additive(device, n, dtypes) -> None:
+    from attnlab.kernels import triton_additive  # (imports Triton)
+
     print("== additive attention: fused forward and backward ==")
     B, D, A = 2, 64, 48
     for dtype in dtypes:
@@ -303,30 +304,29 @@ def check_additive(device, n, dtypes) -> None:
         ref_in += [torch.randn(A, generator=g, dtype=F64) / A**0.5]
         ref_in = [t.requires_grad_() for t in ref_in]
         dev = [t.detach().to(device, dtype).requires_grad_() for t in ref_in]
-        for causal, kept in itertools.product((False, True), (True, False)):
-            name = f"{str(dtype)[6:]} additive B={B} L=S={n} causal={causal}"
-            name += "" if kept else " scores recomputed"
+        # the defaults, the backward rebuilding the scores (as past STORED_SCORES_BYTES), and
+        # for 16 bits the other tanh (the SFU's tanh.approx.f32 or exp2 and a reciprocal)
+        variants = {"": {}, " scores recomputed": {"STORED_SCORES_BYTES": 0}}
+        if dtype != torch.float32:
+            hw = dtype in triton_additive.HARDWARE_TANH_ON
+            variants[" exp2 tanh" if hw else " tanh.approx.f32"] = {
+                "HARDWARE_TANH_ON": () if hw else (dtype,)
+            }
+        for causal, (label, settings) in itertools.product((False, True), variants.items()):
+            name = f"{str(dtype)[6:]} additive B={B} L=S={n} causal={causal}{label}"
             d = AF.explain_additive(*dev, is_causal=causal)
             if d.path != "triton":
                 print(f"  FAIL {name}: not on the Triton kernel ({d})")
                 failures.append(f"{name}: path {d.path}")
                 continue
-            out = _additive_kept(kept, *dev, is_causal=causal)
+            with triton_additive.settings(**settings):  # (the backward keeps the forward's)
+                out = AF.additive_attention(*dev, is_causal=causal)
             ref = AF.additive_attention(*ref_in, is_causal=causal)
             ctrl = _naive_additive(*dev, causal)
             judge(f"{name} out", out, ref, ctrl, dtype)
             _judge_grads(
                 name, dev, ref_in, out, ref, ctrl, dtype, ("q", "k", "v", "W_q", "W_k", "w")
             )
-
-
-def _additive_kept(kept: bool, *args, **kwargs):
-    """additive_attention with the forward keeping its scores for the backward (the default
-    within the budget) or not (as past it: the backward rebuilds them)."""
-    from attnlab.kernels import triton_additive as K
-
-    with contextlib.nullcontext() if kept else K.scores_budget(0):
-        return AF.additive_attention(*args, **kwargs)
 
 
 def _naive_additive(q, k, v, w_q, w_k, w, causal):

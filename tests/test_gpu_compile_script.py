@@ -5,6 +5,7 @@ first GPU it meets. Run in a child process: it must import attnlab without TRITO
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -57,3 +58,33 @@ sys.exit(gpu_compile.main([], cases=[("spill", spill), ("overflow", overflow)]))
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "spills registers to local memory" in done.stdout
     assert "more shared memory than the target has" in done.stdout
+
+
+def test_bfloat16_additive_kernels_compile_to_the_hardware_tanh_and_float32_ones_do_not(tmp_path):
+    """The interpreter cannot run PTX, so the SFU's tanh.approx.f32 is checked where it is
+    compiled: bfloat16's kernels carry it (HARDWARE_TANH_ON), float32's keep exp2 and the
+    reciprocal, and the setting turned off takes it out again."""
+    pytest.importorskip("triton", reason="pip install triton (the kernels extra)")
+    code = """
+import torch, gpu_compile
+from attnlab.kernels import triton_additive as K
+def compiled(dtype, **settings):
+    a, b = torch.zeros(1, 64, 32, requires_grad=True), torch.zeros(1, 64, 32, requires_grad=True)
+    w = torch.zeros(32, requires_grad=True)
+    v = torch.zeros(1, 64, 64, dtype=dtype, requires_grad=True)
+    with gpu_compile.CompileEveryLaunch(90) as launches:
+        with K.settings(**settings):
+            out = K.additive_attention(a, b, w, v)
+        out.float().sum().backward()
+    return {name: k.asm["ptx"].count("tanh.approx.f32") for name, k, _ in launches.records}
+print("bf16", compiled(torch.bfloat16))
+print("fp32", compiled(torch.float32))
+print("bf16-off", compiled(torch.bfloat16, HARDWARE_TANH_ON=()))
+"""
+    done = run(code, tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " {" in line)
+    bf16, fp32, off = (ast.literal_eval(lines[k]) for k in ("bf16", "fp32", "bf16-off"))
+    assert set(bf16) == {"_fwd_kernel", "_bwd_kernel"} and all(n > 0 for n in bf16.values())
+    assert set(fp32) == set(off) == set(bf16)
+    assert not any(fp32.values()) and not any(off.values())

@@ -452,3 +452,23 @@ def test_scores_are_kept_in_training_within_the_budget_only(monkeypatch):
     with torch.no_grad():
         because = str(AF.explain_additive(*leaves[:6], bias=leaves[6]))
     assert "nothing kept for a backward" in because
+
+
+def test_settings_take_known_names_only_and_are_restored():
+    before = (triton_additive.STORED_SCORES_BYTES, triton_additive.HARDWARE_TANH_ON)
+    with triton_additive.settings(STORED_SCORES_BYTES=0, HARDWARE_TANH_ON=()):
+        assert (triton_additive.STORED_SCORES_BYTES, triton_additive.HARDWARE_TANH_ON) == (0, ())
+    assert (triton_additive.STORED_SCORES_BYTES, triton_additive.HARDWARE_TANH_ON) == before
+    with pytest.raises(ValueError, match=r"unknown \['STORED_SCORES'\]; expected"):
+        with triton_additive.settings(STORED_SCORES=0):
+            pass
+
+
+def test_the_interpreter_keeps_exp2_and_the_reciprocal_for_every_dtype():
+    """tanh.approx.f32 is PTX: under the interpreter every dtype takes the exp2 form (what these
+    tests check), and explain_additive() says which tanh runs."""
+    leaves = [t.to(torch.bfloat16) for t in make((2,), 9, 11, 3, 3, 2, 4, seed=6)]
+    with triton_additive.settings(HARDWARE_TANH_ON=(torch.bfloat16,)):
+        assert not triton_additive.hardware_tanh(torch.bfloat16)
+        because = str(AF.explain_additive(*leaves[:6], bias=leaves[6]))
+    assert "tanh per score (exp2 and a reciprocal)" in because

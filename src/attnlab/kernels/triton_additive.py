@@ -19,7 +19,8 @@ Cost. Unlike dot-product attention this is not a matrix multiply: every (i, j, k
 few adds and one multiply-add, so the bound is the GPU's special-function units (SFU). Here
 ``tanh(x) = 1 - 2 r`` with ``r = 1 / (exp2(2 log2(e) x) + 1)``: one ``exp2`` and one reciprocal, two
 SFU operations (Triton has no portable ``tanh``; this form also runs in the interpreter), and the
-backward's slope ``1 - tanh^2 = 4 e r^2`` (``e`` the exp2) costs two multiplies, no SFU. ``a`` and
+backward's slope ``1 - tanh^2 = 4 e r^2`` (``e`` the exp2) costs two multiplies, no SFU. In bfloat16
+on CUDA it is the SFU's own ``tanh.approx.f32``, one operation (:data:`HARDWARE_TANH_ON`). ``a`` and
 ``b`` are stored pre-scaled by ``2 log2(e)``, so the argument is one add. The forward evaluates B L
 S A tanh, the backward B L S A for the gradients, and B L S A more to rebuild the scores where they
 were not kept; about half of each when causal. P V, dO V^T and P^T dO are ``tl.dot`` s, a small
@@ -27,7 +28,8 @@ share of the time (at A = Dv they are 3 of the ~9 B L S A-sized operations of th
 
 Bound: an H100 SXM has 132 SMs x 16 SFU results per clock (compute capability 9.0) x ~1.98 GHz =
 4.2e12 SFU operations/s, so 2.1e12 tanh/s with two operations per tanh: at B=8, L=S=1024, A=256
-the 2 B L S A = 4.3e9 tanh of forward + backward take >= 2.0 ms (3.1 ms with the scores rebuilt).
+the 2 B L S A = 4.3e9 tanh of forward + backward take >= 2.0 ms (3.1 ms with the scores rebuilt;
+1.0 ms at one operation per tanh, bfloat16).
 
 Tiling::
 
@@ -96,6 +98,14 @@ MAX_VALUE_DIM = 256  # the forward's output tile (BLOCK_L, Dv) lives in register
 # Training keeps the forward's (N, L, S) float32 scores for the backward up to this size: one
 # tanh pass of three saved (the chunked CPU path keeps them too); past it they are recomputed
 STORED_SCORES_BYTES = 256 * 2**20
+# Dtypes whose tanh is the SFU's tanh.approx.f32 (relative error <= ~2^-11, below bfloat16's
+# rounding of 2^-9, not float32's), compiled on CUDA only: the interpreter cannot run PTX and
+# keeps exp2 and the reciprocal. Compiled for sm_90 (benchmarks/gpu_compile.py), the forward's
+# loop over A takes 45 instructions per step instead of 75 and the backward's gradient loop 478
+# instead of 735, one MUFU operation per tanh instead of two. Untimed on a GPU so far:
+# bench_gpu_additive.py times both tanh and gpu_check.py checks both against float64.
+HARDWARE_TANH_ON: tuple = (torch.bfloat16,)
+HALF_LN2 = tl.constexpr(math.log(2.0) / 2)  # x from x2 = 2 log2(e) x
 
 
 @dataclass(frozen=True)
@@ -148,19 +158,34 @@ def tiling_for(value_dim: int) -> Tiling:
 
 
 @triton.jit
-def _tanh(x2):
-    """tanh(x) from x2 = 2 log2(e) x: one exp2 and one reciprocal (two SFU operations)."""
+def _hardware_tanh(x2):
+    """tanh(x) from x2 = 2 log2(e) x by the SFU's tanh.approx.f32 (CUDA, sm_75 on)."""
+    return tl.inline_asm_elementwise(
+        "tanh.approx.f32 $0, $1;", "=f,f", [x2 * HALF_LN2], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _tanh(x2, HW: tl.constexpr):
+    """tanh(x) from x2 = 2 log2(e) x: one exp2 and one reciprocal (two SFU operations); HW:
+    :func:`_hardware_tanh` (one)."""
+    if HW:
+        return _hardware_tanh(x2)
     r = 1.0 / (tl.exp2(tl.minimum(x2, EXP2_CAP, propagate_nan=tl.PropagateNan.ALL)) + 1.0)
     return 1.0 - 2.0 * r
 
 
 @triton.jit
-def _tanh_and_slope(x2):
+def _tanh_and_slope(x2, HW: tl.constexpr):
     """tanh(x) and 1 - tanh(x)^2 from x2 = 2 log2(e) x.
 
     With e = exp2(x2) and r = 1 / (e + 1): tanh = 1 - 2r and 1 - tanh^2 = 4 e r^2, a product
-    accurate to a few ulps even where it is tiny (1 - t*t would cancel there).
+    accurate to a few ulps even where it is tiny (1 - t*t would cancel there). HW: t from
+    :func:`_hardware_tanh` and 1 - t*t (absolute error ~1e-3 where t nears 1: 16-bit values).
     """
+    if HW:
+        t = _hardware_tanh(x2)
+        return t, 1.0 - t * t
     e = tl.exp2(tl.minimum(x2, EXP2_CAP, propagate_nan=tl.PropagateNan.ALL))
     r = 1.0 / (e + 1.0)
     return 1.0 - 2.0 * r, 4.0 * (e * r) * r
@@ -179,14 +204,15 @@ def _dot(x, y, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
 
 @triton.jit
 def _score_tile(
-    a_ptr, b_ptr, w_ptr, rows, cols, L, S, A, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr
-):
+    a_ptr, b_ptr, w_ptr, rows, cols, L, S, A,
+    BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
     """s[i, j] = sum_k w_k tanh(a_ik + b_jk) for one tile; a_ptr (A, L), b_ptr (A, S)."""
     s = tl.zeros((BLOCK_L, BLOCK_S), dtype=tl.float32)
     for k in range(0, A):
         a_k = tl.load(a_ptr + k * L + rows, mask=rows < L, other=0.0)  # (BLOCK_L,)
         b_k = tl.load(b_ptr + k * S + cols, mask=cols < S, other=0.0)  # (BLOCK_S,)
-        s += tl.load(w_ptr + k) * _tanh(a_k[:, None] + b_k[None, :])
+        s += tl.load(w_ptr + k) * _tanh(a_k[:, None] + b_k[None, :], HW)
     return s
 
 
@@ -222,7 +248,7 @@ def _fwd_kernel(
     L, S, A, DV, offset,
     svn, svs, svd, smn, sml, sms,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
-    STORE: tl.constexpr,
+    STORE: tl.constexpr, HW: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     pid_l, n = _program(tl.cdiv(L, BLOCK_L))  # n int64: base offsets
@@ -240,7 +266,7 @@ def _fwd_kernel(
         hi = tl.maximum(0, tl.minimum(S, i0 + BLOCK_L + offset))
     for j0 in range(0, hi, BLOCK_S):
         cols = j0 + tl.arange(0, BLOCK_S)
-        s = _score_tile(a_ptr, b_ptr, W, rows, cols, L, S, A, BLOCK_L, BLOCK_S)
+        s = _score_tile(a_ptr, b_ptr, W, rows, cols, L, S, A, BLOCK_L, BLOCK_S, HW)
         s = _visible(s, m_ptr, rows, cols, L, S, offset, smn, sml, sms, MASK, CAUSAL)
         if STORE:  # the masked scores, kept for the backward (SC: (N, L, S) float32)
             inside = (rows[:, None] < L) & (cols[None, :] < S)
@@ -275,7 +301,7 @@ def _bwd_kernel(
     L, S, A, DV, offset,
     svn, svs, svd, smn, sml, sms,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
-    STORED: tl.constexpr,
+    STORED: tl.constexpr, HW: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     key_blocks = tl.cdiv(S, BLOCK_S)
@@ -306,7 +332,7 @@ def _bwd_kernel(
                 other=float("-inf"),
             )
         else:
-            s = _score_tile(a_ptr, b_ptr, W, rows, cols, L, S, A, BLOCK_L, BLOCK_S)
+            s = _score_tile(a_ptr, b_ptr, W, rows, cols, L, S, A, BLOCK_L, BLOCK_S, HW)
             s = _visible(s, m_ptr, rows, cols, L, S, offset, smn, sml, sms, MASK, CAUSAL)
         rmax, logl = _row_stats(LSE, n * L + rows, row_ok)
         p = tl.where(s == float("-inf"), 0.0, tl.exp((s - rmax[:, None]) - logl[:, None]))
@@ -337,7 +363,7 @@ def _bwd_kernel(
         for k in range(0, A):
             a_k = tl.load(a_ptr + k * L + rows, mask=row_ok, other=0.0)
             b_k = tl.load(b_ptr + k * S + cols, mask=col_ok, other=0.0)
-            t, slope = _tanh_and_slope(a_k[:, None] + b_k[None, :])
+            t, slope = _tanh_and_slope(a_k[:, None] + b_k[None, :], HW)
             g = ds * (tl.load(W + k) * slope)
             tl.atomic_add(da_ptr + k * L + rows, tl.sum(g, 1), mask=row_ok, sem="relaxed")
             tl.atomic_add(db_ptr + k * S + cols, tl.sum(g, 0), mask=col_ok, sem="relaxed")
@@ -360,6 +386,11 @@ def _mask_args(mask: torch.Tensor | None, device):
 
 def _offset(alignment: str | None, L: int, S: int) -> int:
     return S - L if alignment == "bottom_right" else 0
+
+
+def hardware_tanh(dtype: torch.dtype) -> bool:
+    """Whether the kernels' tanh is the SFU's tanh.approx.f32 (:data:`HARDWARE_TANH_ON`)."""
+    return dtype in HARDWARE_TANH_ON and not _triton.INTERPRET
 
 
 def products(dtype: torch.dtype) -> dict:
@@ -390,7 +421,10 @@ class _AdditiveAttention(torch.autograd.Function):
         if keep:
             causal = alignment is not None
             scores = a.new_full((N, L, S), float("-inf")) if causal else a.new_empty(N, L, S)
-        meta = dict(MASK=kind, CAUSAL=alignment is not None, **products(value.dtype))
+        meta = dict(
+            MASK=kind, CAUSAL=alignment is not None, HW=hardware_tanh(value.dtype),
+            **products(value.dtype),
+        )  # fmt: skip
         blk = tiling.forward
         with _triton.on_device(value):
             _fwd_kernel[(triton.cdiv(L, blk.rows) * N,)](
@@ -481,15 +515,20 @@ def _training(leaves) -> bool:
 
 
 @contextlib.contextmanager
-def scores_budget(nbytes: int):
-    """Within the block, :data:`STORED_SCORES_BYTES` is ``nbytes`` (0: every backward rebuilds
-    its scores; for benchmarks and checks that time or test both backwards). Not thread-safe."""
-    global STORED_SCORES_BYTES
-    before, STORED_SCORES_BYTES = STORED_SCORES_BYTES, nbytes
+def settings(**values):
+    """Within the block, module settings take these values (``STORED_SCORES_BYTES=0``: every
+    backward rebuilds its scores; ``HARDWARE_TANH_ON=()``): for benchmarks and
+    checks that time or test both sides. Not thread-safe."""
+    unknown = set(values) - {"STORED_SCORES_BYTES", "HARDWARE_TANH_ON"}
+    if unknown:
+        raise ValueError(f"settings(): unknown {sorted(unknown)}; expected STORED_SCORES_BYTES "
+                         "or HARDWARE_TANH_ON")  # fmt: skip
+    before = {name: globals()[name] for name in values}
+    globals().update(values)
     try:
         yield
     finally:
-        STORED_SCORES_BYTES = before
+        globals().update(before)
 
 
 def supports(query, key, value, attn_mask, A: int = 1) -> str | None:
@@ -539,7 +578,9 @@ def describe(query, key, value, w_score, *weights) -> str:
         kept = "nothing kept for a backward (no gradient needed)"
     return (
         f"fused additive kernel, {_triton.where()}: tiles of {fwd.rows} query rows x {fwd.keys} "
-        f"keys, A={w_score.shape[0]} tanh per score, online softmax; saves the row log-sum-exp, "
+        f"keys, A={w_score.shape[0]} tanh per score ("
+        f"{'tanh.approx.f32' if hardware_tanh(value.dtype) else 'exp2 and a reciprocal'}), "
+        "online softmax; saves the row log-sum-exp, "
         f"never the (..., L, S, A) tanh; {kept}"
     )
 
