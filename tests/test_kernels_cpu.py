@@ -440,36 +440,6 @@ def test_blocks_run_once_each_on_the_caller_and_a_pool_that_outlives_the_call(mo
     assert {name for _, name, _ in done} == {threading.current_thread().name}
 
 
-def test_a_forked_child_runs_the_kernel_on_threads_of_its_own():
-    """A fork copies the pool object but none of its threads: the child must not queue its
-    blocks to threads that do not exist (it would wait forever)."""
-    import multiprocessing as mp
-
-    from attnlab.kernels import _threads
-
-    q, k, v = inputs(2, 4, 2, 40, 40, 8, 8)
-    outer = torch.get_num_threads()
-    try:
-        want = _many_blocks(q, k, v)  # the parent's pool now exists
-        assert _threads._POOL is not None
-    finally:
-        torch.set_num_threads(outer)
-    with mp.get_context("fork").Pool(1) as pool:
-        got = pool.apply_async(_many_blocks, (q, k, v)).get(timeout=120)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-
-
-def _many_blocks(q, k, v):
-    """The kernel on 2 threads with blocks of one kv head x 3 rows (many blocks)."""
-    torch.set_num_threads(2)
-    rows, size = cf.BLOCK_ROWS, cf.BLOCK_BYTES
-    cf.BLOCK_ROWS, cf.BLOCK_BYTES = 3, 1
-    try:
-        return flash_attention(q, k, v, None, None, 0.3, 0.0)
-    finally:
-        cf.BLOCK_ROWS, cf.BLOCK_BYTES = rows, size
-
-
 def _grads(fn, dtype, q, k, v, up, mask):
     """fn's output and gradients in ``dtype`` (top-left causal, with ``mask``)."""
     q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
