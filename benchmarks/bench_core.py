@@ -227,9 +227,14 @@ def bench_weights(rounds: int) -> None:
     header(
         "weights on demand vs the same call without weights: per head into a fresh tensor, into "
         "a reused weights_out (target <= 1.5x at (4, 8, 1024, 64), float32, 1 thread), averaged; "
-        "and with autograd, forward+backward (target <= 1.5x at L = 1024); the C++ kernel's "
-        "blocks, and the torch-ops blocks (their readable twin) in the same run"
+        "and with autograd, forward+backward (target <= 1.5x at L = 1024); the dispatch's blocks "
+        "(the C++ kernel's where its products go through brgemm), and the torch-ops blocks "
+        "(their readable twin) in the same run"
     )
+    from attnlab.functional import _weights
+
+    q = torch.randn(SDPA_SHAPES[1])
+    print(f"the dispatch, float32: {_weights.path(q, q, q, None)}")
     cases = [(torch.float32, shape) for shape in SDPA_SHAPES[:2]]
     if cpu_flash.native_bf16():  # (elsewhere bfloat16 products are float32: torch-ops blocks)
         cases.append((torch.bfloat16, SDPA_SHAPES[1]))
