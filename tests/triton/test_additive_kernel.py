@@ -201,17 +201,22 @@ def test_the_flash_style_control_is_the_true_gradient_in_float64():
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=0, atol=1e-12, err_msg=name)
 
 
+@pytest.mark.parametrize("hardware", [True, False], ids=["tanh.approx", "exp2-tanh"])
 @pytest.mark.parametrize(
     "dtype,case",
     [(torch.bfloat16, CASES[1]), (torch.bfloat16, CASES[3]), (torch.float16, CASES[2])],
     ids=["bf16-bool-top_left", "bf16-L>S-bottom_right", "fp16-bool-bottom_right"],
 )
-def test_16bit_output_and_gradients_within_a_same_dtype_control(dtype, case, kernel_calls):
+def test_16bit_output_and_gradients_within_a_same_dtype_control(
+    dtype, case, hardware, kernel_calls
+):
+    """Both tanh forms (the hardware one emulated here: its scale and slope are what run)."""
     lead, L, S, Dq, Dk, Dv, A, kind, causal = case
     leaves64 = make(lead, L, S, Dq, Dk, Dv, A, seed=3)
     leaves64 = [t.to(dtype).double() for t in leaves64]  # the oracle sees the 16-bit inputs
     mask = mask_of(kind, lead, L, S)
-    results = against_controls(leaves64, mask, causal, dtype, seed=4)
+    with triton_additive.settings(HARDWARE_TANH_ON=(dtype,) if hardware else ()):
+        results = against_controls(leaves64, mask, causal, dtype, seed=4)
     assert len(kernel_calls) == 1
     for name, got, want, controls in results:
         assert got.dtype == dtype and torch.isfinite(got).all(), name
@@ -464,11 +469,40 @@ def test_settings_take_known_names_only_and_are_restored():
             pass
 
 
-def test_the_interpreter_keeps_exp2_and_the_reciprocal_for_every_dtype():
-    """tanh.approx.f32 is PTX: under the interpreter every dtype takes the exp2 form (what these
-    tests check), and explain_additive() says which tanh runs."""
+def test_explain_names_the_tanh_and_the_interpreter_emulates_the_hardware_one():
+    """tanh.approx.f32 is PTX: the interpreter emulates that one instruction (from its own
+    argument), so the path around it runs in these tests; explain_additive() says which."""
     leaves = [t.to(torch.bfloat16) for t in make((2,), 9, 11, 3, 3, 2, 4, seed=6)]
-    with triton_additive.settings(HARDWARE_TANH_ON=(torch.bfloat16,)):
-        assert not triton_additive.hardware_tanh(torch.bfloat16)
+    because = str(AF.explain_additive(*leaves[:6], bias=leaves[6]))
+    assert "(tanh.approx.f32, emulated by exp2 in the interpreter)" in because
+    with triton_additive.settings(HARDWARE_TANH_ON=()):
         because = str(AF.explain_additive(*leaves[:6], bias=leaves[6]))
     assert "tanh per score (exp2 and a reciprocal)" in because
+    because = str(AF.explain_additive(*(t.float() for t in leaves[:6]), bias=leaves[6].float()))
+    assert "tanh per score (exp2 and a reciprocal)" in because
+
+
+def test_the_hardware_tanh_path_is_taken_and_its_scale_is_checked(monkeypatch):
+    """The hardware path's own arithmetic (x = x2 ln(2) / 2, slope 1 - t^2) differs from the
+    exp2 form's in the last bits (seen in float32, which it serves here only for this test), and
+    with its scale wrong the results are wrong."""
+    leaves = [t.float().requires_grad_() for t in make((2,), 19, 23, 5, 6, 3, 7)]
+
+    def run(on):
+        with triton_additive.settings(HARDWARE_TANH_ON=on):
+            out = AF.additive_attention(*leaves[:6], bias=leaves[6])
+            return [out, *torch.autograd.grad(out.sum(), leaves)]
+
+    hw, exact = run((torch.float32,)), run(())
+    assert any(not torch.equal(a, b) for a, b in zip(hw, exact, strict=True))
+    for a, b in zip(hw, exact, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    monkeypatch.setattr(triton_additive, "HALF_LN2", tl_constexpr(0.5))  # (ln 2 / 2 ~ 0.347)
+    wrong = run((torch.float32,))
+    assert (wrong[0] - exact[0]).abs().max() > 1e-2
+
+
+def tl_constexpr(value):
+    import triton.language as tl
+
+    return tl.constexpr(value)

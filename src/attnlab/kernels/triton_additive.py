@@ -99,13 +99,17 @@ MAX_VALUE_DIM = 256  # the forward's output tile (BLOCK_L, Dv) lives in register
 # tanh pass of three saved (the chunked CPU path keeps them too); past it they are recomputed
 STORED_SCORES_BYTES = 256 * 2**20
 # Dtypes whose tanh is the SFU's tanh.approx.f32 (relative error <= ~2^-11, below bfloat16's
-# rounding of 2^-9, not float32's), compiled on CUDA only: the interpreter cannot run PTX and
-# keeps exp2 and the reciprocal. Compiled for sm_90 (benchmarks/gpu_compile.py), the forward's
-# loop over A takes 45 instructions per step instead of 75 and the backward's gradient loop 478
-# instead of 735, one MUFU operation per tanh instead of two. Untimed on a GPU so far:
-# bench_gpu_additive.py times both tanh and gpu_check.py checks both against float64.
+# rounding of 2^-9, not float32's). The interpreter cannot run PTX: there the instruction alone
+# is emulated (by exp2 and a reciprocal, from the same x), so that the path around it (the
+# argument's scale, the slope 1 - t^2) is what the tests check. Compiled for sm_90
+# (benchmarks/gpu_compile.py), the forward's loop over A takes 45 instructions per step instead
+# of 75 and the backward's gradient loop 478 instead of 735, one MUFU operation per tanh instead
+# of two. Untimed on a GPU so far: bench_gpu_additive.py times both tanh and gpu_check.py checks
+# both against float64.
 HARDWARE_TANH_ON: tuple = (torch.bfloat16,)
 HALF_LN2 = tl.constexpr(math.log(2.0) / 2)  # x from x2 = 2 log2(e) x
+INTERPRETED = tl.constexpr(_triton.INTERPRET)
+TWO_LOG2E_JIT = tl.constexpr(TWO_LOG2E)
 
 
 @dataclass(frozen=True)
@@ -159,9 +163,13 @@ def tiling_for(value_dim: int) -> Tiling:
 
 @triton.jit
 def _hardware_tanh(x2):
-    """tanh(x) from x2 = 2 log2(e) x by the SFU's tanh.approx.f32 (CUDA, sm_75 on)."""
+    """tanh(x) from x2 = 2 log2(e) x by the SFU's tanh.approx.f32 (CUDA, sm_75 on; emulated in
+    the interpreter, which cannot run PTX)."""
+    x = x2 * HALF_LN2
+    if INTERPRETED:  # tanh(x) from x itself (a wrong HALF_LN2 fails the tests)
+        return _exp2_tanh(x * TWO_LOG2E_JIT)
     return tl.inline_asm_elementwise(
-        "tanh.approx.f32 $0, $1;", "=f,f", [x2 * HALF_LN2], dtype=tl.float32, is_pure=True, pack=1
+        "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
     )
 
 
@@ -171,6 +179,12 @@ def _tanh(x2, HW: tl.constexpr):
     :func:`_hardware_tanh` (one)."""
     if HW:
         return _hardware_tanh(x2)
+    return _exp2_tanh(x2)
+
+
+@triton.jit
+def _exp2_tanh(x2):
+    """tanh(x) = 1 - 2 / (exp2(x2) + 1), x2 = 2 log2(e) x."""
     r = 1.0 / (tl.exp2(tl.minimum(x2, EXP2_CAP, propagate_nan=tl.PropagateNan.ALL)) + 1.0)
     return 1.0 - 2.0 * r
 
@@ -388,9 +402,18 @@ def _offset(alignment: str | None, L: int, S: int) -> int:
     return S - L if alignment == "bottom_right" else 0
 
 
+def _tanh_name(dtype: torch.dtype) -> str:
+    if not hardware_tanh(dtype):
+        return "exp2 and a reciprocal"
+    return "tanh.approx.f32" + (
+        ", emulated by exp2 in the interpreter" if _triton.INTERPRET else ""
+    )
+
+
 def hardware_tanh(dtype: torch.dtype) -> bool:
-    """Whether the kernels' tanh is the SFU's tanh.approx.f32 (:data:`HARDWARE_TANH_ON`)."""
-    return dtype in HARDWARE_TANH_ON and not _triton.INTERPRET
+    """Whether the kernels' tanh is the SFU's tanh.approx.f32 (:data:`HARDWARE_TANH_ON`;
+    emulated under the interpreter)."""
+    return dtype in HARDWARE_TANH_ON
 
 
 def products(dtype: torch.dtype) -> dict:
@@ -579,7 +602,7 @@ def describe(query, key, value, w_score, *weights) -> str:
     return (
         f"fused additive kernel, {_triton.where()}: tiles of {fwd.rows} query rows x {fwd.keys} "
         f"keys, A={w_score.shape[0]} tanh per score ("
-        f"{'tanh.approx.f32' if hardware_tanh(value.dtype) else 'exp2 and a reciprocal'}), "
+        f"{_tanh_name(value.dtype)}), "
         "online softmax; saves the row log-sum-exp, "
         f"never the (..., L, S, A) tanh; {kept}"
     )
