@@ -9,7 +9,7 @@ import torch
 import attnlab.functional as AF
 from attnlab.functional import sdpa
 from attnlab.kernels import choice, cpu_flash, cpu_flash_native
-from conftest import Graphs
+from conftest import Graphs, skip_on_this_cpu
 
 
 def qkv(dtype=torch.float32, grad=False, seed=0):
@@ -361,7 +361,7 @@ def test_float32_training_takes_the_kernel_only_when_asked(brgemm, setting, monk
     ATTNLAB_CPU_TRAINING_KERNEL=attnlab asks for the blocked kernel where its float32 products
     go through brgemm (0.8-0.9x torch's time on an AMX Xeon; its at::bmm blocks are slower)."""
     if brgemm and not cpu_flash_native.brgemm(torch.float32):
-        pytest.skip("no float32 brgemm here")
+        skip_on_this_cpu("no float32 brgemm (AVX-512)")
     monkeypatch.setattr(cpu_flash_native, "brgemm", lambda dtype=None: brgemm)
     if setting is None:
         monkeypatch.delenv(choice.ENV, raising=False)

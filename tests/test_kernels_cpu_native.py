@@ -16,7 +16,7 @@ import attnlab.kernels.cpu_flash as cf
 from attnlab import reference
 from attnlab.functional.sdpa import _eager
 from attnlab.kernels import cpu_flash_native, describe, flash_attention
-from conftest import make_mask, np64
+from conftest import make_mask, np64, skip_if_this_cpu_lacks, skip_on_this_cpu
 
 
 @pytest.fixture(autouse=True)
@@ -141,7 +141,7 @@ def float32_backend(monkeypatch, backend, rows):
     at::bmm blocks (rows of `rows`), as a CPU without float32 brgemm runs them."""
     if backend == "brgemm":
         if not cpu_flash_native.brgemm(torch.float32):
-            pytest.skip("no float32 brgemm in this build or on this CPU: at::bmm serves")
+            skip_on_this_cpu("no float32 brgemm (AVX-512): at::bmm serves")
         monkeypatch.setattr(cf, "BRGEMM_ROWS", min(rows, 64))
     else:
         monkeypatch.setattr(cpu_flash_native, "brgemm", lambda dtype=None: False)
@@ -269,9 +269,9 @@ def test_a_nan_row_stays_nan(dtype):
     assert dq[0, 1, 3].isnan().all() and not dq[0, 0].isnan().any()
 
 
-BRGEMM = pytest.mark.skipif(
+BRGEMM = skip_if_this_cpu_lacks(
     not cf.native_bf16() or not cpu_flash_native.brgemm(),
-    reason="this CPU has no bfloat16 brgemm (AMX or AVX512-BF16): the at::bmm path serves",
+    "no bfloat16 brgemm (AMX or AVX512-BF16): the at::bmm path serves",
 )
 
 
@@ -291,7 +291,7 @@ def test_brgemm_gradients_within_twice_the_control_error(
     """bfloat16 or float32 through brgemm, forward and gradients, against float64: error <= 2x
     the readable formula's in that dtype (the control)."""
     if not cpu_flash_native.brgemm(dtype) or (dtype == torch.bfloat16 and not cf.native_bf16()):
-        pytest.skip(f"no {dtype} brgemm in this build or on this CPU: the at::bmm path serves")
+        skip_on_this_cpu(f"no {dtype} brgemm (AVX-512): the at::bmm path serves")
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     said = describe(*inputs(*shape, dtype=dtype), alignment)
     assert "oneDNN brgemm" in said and "at::bmm" not in said  # (one product path, not both)
@@ -405,7 +405,7 @@ def test_the_operator_gives_stats_of_the_width_its_graph_was_traced_with(
     graph traced where float32 took the at::bmm blocks (width 2) met the brgemm path's
     (2 + Ev): inductor's stride assertion failed."""
     if brgemm_now and not cpu_flash_native.brgemm(dtype):
-        pytest.skip(f"no {dtype} brgemm here")
+        skip_on_this_cpu(f"no {dtype} brgemm (AVX-512)")
     if not brgemm_now:
         monkeypatch.setattr(cpu_flash_native, "brgemm", lambda dtype=None: False)
     q, k, v = inputs(2, 4, 2, 37, 30, 16, 8, dtype=dtype, grad=True)

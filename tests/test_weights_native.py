@@ -19,7 +19,7 @@ import attnlab.functional._weights as W
 import attnlab.kernels.cpu_flash as cf
 from attnlab import reference as R
 from attnlab.kernels import cpu_flash_native
-from conftest import naive_sdpa, np64
+from conftest import naive_sdpa, np64, skip_on_this_cpu
 
 # (B, H, Hkv, L, S, E, Ev): several row blocks of 16 and a tail, L != S, GQA, one kv head
 SHAPES = [(2, 4, 2, 37, 29, 16, 8), (1, 3, 1, 70, 50, 8, 8), (3, 2, 2, 9, 41, 32, 16)]
@@ -40,9 +40,9 @@ def backend_on(monkeypatch, backend, dtype):
     if backend == "at::bmm":
         monkeypatch.setattr(cpu_flash_native, "brgemm", lambda dtype=None: False)
     elif not cpu_flash_native.brgemm(dtype):
-        pytest.skip(f"no {dtype} brgemm in this build or on this CPU: at::bmm serves")
+        skip_on_this_cpu(f"no {dtype} brgemm (AVX-512): at::bmm serves")
     if dtype == torch.bfloat16 and not cf.native_bf16():
-        pytest.skip("bfloat16 products are float32 on this CPU: the torch-ops blocks serve")
+        skip_on_this_cpu("bfloat16 products are float32 here: the torch-ops blocks serve")
 
 
 def case(shape, mask_kind, dtype, seed=0):
@@ -211,7 +211,7 @@ def test_bfloat16_gradients_within_twice_the_control_error(monkeypatch, average)
     C++ kernel both ways, against float64, within twice the error of the readable formula run
     in bfloat16 (the control)."""
     if not cf.native_bf16():
-        pytest.skip("bfloat16 products are float32 on this CPU: the readable formula serves")
+        skip_on_this_cpu("bfloat16 products are float32 here: the readable formula serves")
     (q, k, v), mask = case(SHAPES[0], "bool", torch.float32, seed=5)
     rw = "average" if average else True
     g = torch.Generator()
@@ -251,7 +251,7 @@ def test_scores_that_fit_one_block_take_it_below_the_measured_rows(monkeypatch, 
     """All the scores in one block: the one-block path below ``NATIVE_FROM_ROWS`` query rows
     (decoding), the C++ kernel's blocks from there; both equal the oracle."""
     if dtype == torch.bfloat16 and not cf.native_bf16():
-        pytest.skip("bfloat16 products are float32 on this CPU: the torch-ops blocks serve")
+        skip_on_this_cpu("bfloat16 products are float32 here: the torch-ops blocks serve")
     monkeypatch.setattr(W, "WEIGHTS_BLOCK_BYTES", 8 * 2**20)
     rows = W.NATIVE_FROM_ROWS[dtype]
     for L, said in ((rows - 1, "in one block"), (rows, "blocked CPU kernel (C++"), (1, "in one")):
