@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton.language as tl
 
 import attnlab.functional as AF
 import attnlab.reference as R
@@ -497,12 +498,6 @@ def test_the_hardware_tanh_path_is_taken_and_its_scale_is_checked(monkeypatch):
     assert any(not torch.equal(a, b) for a, b in zip(hw, exact, strict=True))
     for a, b in zip(hw, exact, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    monkeypatch.setattr(triton_additive, "HALF_LN2", tl_constexpr(0.5))  # (ln 2 / 2 ~ 0.347)
+    monkeypatch.setattr(triton_additive, "HALF_LN2", tl.constexpr(0.5))  # (ln 2 / 2 ~ 0.347)
     wrong = run((torch.float32,))
     assert (wrong[0] - exact[0]).abs().max() > 1e-2
-
-
-def tl_constexpr(value):
-    import triton.language as tl
-
-    return tl.constexpr(value)

@@ -587,15 +587,16 @@ def describe(query, key, value, w_score, *weights) -> str:
     L, S = query.shape[-2], key.shape[-2]
     N = math.prod(broadcast_shapes(query.shape[:-2], key.shape[:-2]))
     leaves = (query, key, value, w_score, *(t for t in weights if t is not None))
+    mib, budget = 4 * N * L * S / 2**20, STORED_SCORES_BYTES >> 20
     if keeps_scores(N, L, S, leaves):
         kept = (
-            f"keeps the (..., L, S) float32 scores for the backward ({4 * N * L * S / 2**20:.3g} "
-            f"MiB <= {STORED_SCORES_BYTES >> 20} MiB), which recomputes the tanh once"
+            f"keeps the (..., L, S) float32 scores for the backward ({mib:.3g} MiB <= {budget} "
+            "MiB), which recomputes the tanh once"
         )
     elif _training(leaves):
         kept = (
-            f"the backward recomputes the scores (they would take {4 * N * L * S / 2**20:.3g} "
-            f"MiB > {STORED_SCORES_BYTES >> 20} MiB) and then the tanh once more"
+            f"the backward recomputes the scores (they would take {mib:.3g} MiB > {budget} MiB) "
+            "and then the tanh once more"
         )
     else:
         kept = "nothing kept for a backward (no gradient needed)"
