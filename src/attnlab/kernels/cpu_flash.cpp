@@ -143,7 +143,11 @@ int64_t row_scores(const Params& p, const mm_t* s, float* t, int64_t N, int64_t 
     const int64_t step = p.ms[4];
     if (p.mask_kind == 1) {
       const uint8_t* m = static_cast<const uint8_t*>(p.mask) + base;
-      for (int64_t c = 0; c < n; ++c) t[c] = m[c * step] ? -kInf : t[c];
+      if (step == 1) {  // (the usual layout: one loop of vector blends)
+        for (int64_t c = 0; c < n; ++c) t[c] = m[c] ? -kInf : t[c];
+      } else {
+        for (int64_t c = 0; c < n; ++c) t[c] = m[c * step] ? -kInf : t[c];
+      }
     } else {
       const float* m = static_cast<const float*>(p.mask) + base;
       for (int64_t c = 0; c < n; ++c) t[c] += m[c * step];

@@ -37,8 +37,11 @@ ENV = "ATTNLAB_CPU_NATIVE"  # "0": never build or use the C++ kernel
 SOURCE = Path(__file__).with_name("cpu_flash.cpp")
 HEADERS = [Path(__file__).with_name("cpu_flash_brgemm.h")]  # (read in by SOURCE)
 # -fopenmp: at::parallel_for is an OpenMP region compiled here (without it the blocks ran on one
-# thread); the runtime is the libgomp torch ships and has loaded (one runtime, shared)
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+# thread); the runtime is the libgomp torch ships and has loaded (one runtime, shared).
+# -fno-trapping-math (as torch builds): the row loops' selects (exp2_nonpositive's clamps, a
+# masked key's -inf) become vector blends; without it GCC kept them scalar, and the exp pass
+# took more of a float32 forward than its two GEMMs on an AVX2 CPU. It allows no reordering.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-trapping-math"]
 
 STALE_LOCK_S = 600.0
 CPU_LINES = ("flags", "Features", "model name", "CPU implementer", "CPU part")
