@@ -10,7 +10,7 @@ import torch
 
 import attnlab.functional as AF
 import attnlab.reference as R
-from attnlab.kernels import cpu_flash, cpu_flash_native
+from attnlab.kernels import cpu_flash
 
 F64 = torch.float64
 
@@ -241,10 +241,7 @@ def test_explain_checks_casts_and_reasons_as_the_call(monkeypatch):
     assert said.startswith("fused") and "kv heads repeated" in said and "enable_gqa)" not in said
     big = torch.randn(1, 6, 512, 64), torch.randn(1, 2, 1024, 64)
     said = str(AF.explain(big[0], big[1], big[1], return_weights=True))
-    if cpu_flash_native.brgemm(torch.float32):
-        assert "blocked CPU kernel (C++" in said and "writes each block's weights" in said
-    else:  # (the kernel's at::bmm blocks, slower than the torch-ops ones, are not taken)
-        assert "not the C++ blocked kernel: no brgemm for this CPU" in said
+    assert "blocked CPU kernel (C++" in said and "writes each block's weights" in said
     monkeypatch.setattr(cpu_flash, "weights_unfit", lambda *args: "switched off")
     said = str(AF.explain(big[0], big[1], big[1], return_weights=True))
     assert "blocks of 3 head(s)" in said and "not the C++ blocked kernel: switched off" in said

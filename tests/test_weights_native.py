@@ -27,10 +27,8 @@ SHAPES = [(2, 4, 2, 37, 29, 16, 8), (1, 3, 1, 70, 50, 8, 8), (3, 2, 2, 9, 41, 32
 
 @pytest.fixture(autouse=True)
 def blocked(monkeypatch):
-    """The blocked weights path (not the one-block path of decoding), in row blocks of 16; the
-    kernel's at::bmm blocks too (the dispatch takes them only when asked: WEIGHTS_AT_BMM)."""
+    """The blocked weights path (not the one-block path of decoding), in row blocks of 16."""
     assert cpu_flash_native.module() is not None, cpu_flash_native.unavailable()
-    monkeypatch.setattr(cf, "WEIGHTS_AT_BMM", True)
     monkeypatch.setattr(W, "WEIGHTS_BLOCK_BYTES", 1)
     monkeypatch.setattr(cf, "BLOCK_ROWS", 16)
     monkeypatch.setattr(cf, "BRGEMM_ROWS", 16)
@@ -364,26 +362,3 @@ def test_a_bad_query_row_stays_in_its_row_in_bfloat16_with_odd_head_dims(
     assert torch.equal(w.isnan(), want_w.isnan())
     fine = ~want_out.isnan()
     torch.testing.assert_close(out.double()[fine], want_out[fine], rtol=0, atol=3e-2)
-
-
-@pytest.mark.parametrize("grad", [False, True])
-def test_without_brgemm_the_dispatch_writes_weights_in_the_torch_ops_blocks(monkeypatch, grad):
-    """The kernel's at::bmm blocks wrote weights slower than the torch-ops blocks (AVX2 EPYC:
-    1.86x against 1.31x the call without, 1.58x against 1.35x with autograd), so where the
-    products cannot go through brgemm the torch-ops blocks serve, and explain() says why."""
-    (q, k, v), mask = case(SHAPES[0], "bool", torch.float32)
-    q.requires_grad_(grad)
-    for brgemm, at_bmm, kernel in ((False, False, False), (False, True, True), (True, False, True)):
-        monkeypatch.setattr(cpu_flash_native, "brgemm", lambda dtype=None, on=brgemm: on)
-        monkeypatch.setattr(cf, "WEIGHTS_AT_BMM", at_bmm)
-        said = str(AF.explain(q, k, v, mask, return_weights=True))
-        assert ("blocked CPU kernel (C++" in said) == kernel, said
-        assert ("the kernel's at::bmm blocks write weights slower" in said) == (not kernel), said
-        if not brgemm:  # (the brgemm path cannot run where this CPU has none)
-            with torch.set_grad_enabled(grad):
-                out, w = AF.scaled_dot_product_attention(q, k, v, mask, return_weights=True)
-            want_out, want_w = R.scaled_dot_product_attention(
-                np64(q), np64(k), np64(v), np64(mask), return_weights=True
-            )
-            np.testing.assert_allclose(np64(w), want_w, rtol=0, atol=2e-6)
-            np.testing.assert_allclose(np64(out), want_out, rtol=0, atol=4e-6)

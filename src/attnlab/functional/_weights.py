@@ -209,8 +209,7 @@ def native(q, k, v, mask) -> str | None:
     each row's every key, as these do, and write the weights as they make them (averaged: a row
     block summed over the heads first), with no Python per block and no pass of their own
     (1.0-1.2x the call without weights into ``weights_out``, against 1.5-1.6x for the torch-ops
-    blocks below; float32, (4, 8, 1024, 64), 1 and 2 threads), where its products go through
-    brgemm (its at::bmm blocks are slower than the torch-ops blocks: ``WEIGHTS_AT_BMM``)."""
+    blocks below; float32, (4, 8, 1024, 64), 1 and 2 threads)."""
     return cpu_flash.weights_unfit(q, k, v, mask)
 
 

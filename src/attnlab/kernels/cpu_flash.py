@@ -94,12 +94,6 @@ ONE_BLOCK_BYTES_BF16 = 8 * 2**20
 # the C++ kernel's brgemm path (bf16 and float32 products): query rows of one head per block,
 # its float32 scores and dP in L2 beside K, V
 BRGEMM_ROWS = 64
-# Weights on demand take the C++ kernel where its products go through brgemm (float32 into
-# weights_out: 1.15x the call without weights on an AMX Xeon, against 1.52x for the torch-ops
-# blocks); its at::bmm blocks wrote them slower than the torch-ops blocks (1.86x against 1.31x,
-# and with autograd 1.58x against 1.35x, on an AVX2 EPYC at (4, 8, 1024, 64), 1 thread). True:
-# the at::bmm blocks serve too (tests; a CPU where they are measured faster)
-WEIGHTS_AT_BMM = False
 LOG2E = 1.0 / math.log(2.0)
 # a row max past this (in the plan's unit) gets P from the max and the sum apart in the backward:
 # the lse's rounding (half an ulp of the max, 2^-14 here) would otherwise count against P
@@ -242,16 +236,10 @@ def weights_unfit(q, k, v, mask) -> str | None:
         return why
     if q.dtype != _products_dtype(q.dtype, q.shape[-1], v.shape[-1]):
         return f"{q.dtype} here: its products are float32, the weights {q.dtype}"
-    if not _brgemm(q.dtype, q.shape[-1], v.shape[-1]):
-        if q.dtype == torch.bfloat16:
-            # (at::bmm's bfloat16 products with an odd key count carry a NaN row's NaN into the
-            # next row, and its bfloat16 scores gave the backward's float32 ones stale stats)
-            return "bfloat16 without the brgemm path (no brgemm for this CPU)"
-        if not WEIGHTS_AT_BMM:
-            return (
-                "no brgemm for this CPU: the kernel's at::bmm blocks write weights slower than "
-                "the torch-ops blocks (WEIGHTS_AT_BMM)"
-            )
+    if q.dtype == torch.bfloat16 and not _brgemm(q.dtype, q.shape[-1], v.shape[-1]):
+        # (at::bmm's bfloat16 products with an odd key count carry a NaN row's NaN into the
+        # next row, and its bfloat16 scores gave the backward's float32 ones stale stats)
+        return "bfloat16 without the brgemm path (no brgemm for this CPU)"
     if _under_torch_func() or torch.compiler.is_compiling():
         return "traced or transformed (the C++ kernel is not an operator that returns weights)"
     return cpu_flash_native.unavailable()
