@@ -13,6 +13,9 @@
   and length class, or set by ``ATTNLAB_CPU_TRAINING_KERNEL``, which also sends float32 there:
   ``chooses(dtype)``).
 
+* :mod:`attnlab.kernels.few_rows` -- ``linear(module, x)``: a linear layer over a few rows on
+  CPU (a decode step) as ``(W x^T)^T`` where that is measured faster than ``F.linear``.
+
 * Triton kernels (GPU; on CPU tensors through Triton's interpreter under ``TRITON_INTERPRET=1``,
   see :mod:`attnlab.kernels._triton`), imported only when they run:
   :mod:`~attnlab.kernels.triton_attention` (forward with the row log-sum-exp; weights from it),

@@ -44,6 +44,7 @@ from attnlab.functional.rotary import (
     unsupported_hf,
 )
 from attnlab.functional.sdpa import attention_with
+from attnlab.kernels.few_rows import linear
 from attnlab.nn import MultiHeadAttention
 
 # generate(compile=True) rounds a static cache's length up to a multiple of this, so prompts of
@@ -177,7 +178,8 @@ class Block(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = self.mlp_norm(x)
-        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))  # SwiGLU
+        up = nn.functional.silu(linear(self.gate, h)) * linear(self.up, h)  # SwiGLU
+        return x + linear(self.down, up)
 
     def forward_step(self, x, mask, rope_angles, slot, keys, values, finite):
         """The decode fast path of one block: x (B, 1, D), mask (B, 1, 1, C), rope_angles
@@ -187,13 +189,13 @@ class Block(nn.Module):
         attn = self.attn
         B, H, Hkv, E = x.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
         h = self.attn_norm(x)
-        q = attn.q_proj(h).view(B, 1, H, E).transpose(1, 2)  # (B, 1, H*E) -> (B, H, 1, E)
-        k = attn.k_proj(h).view(B, 1, Hkv, E).transpose(1, 2)  # (B, 1, Hkv*E) -> (B, Hkv, 1, E)
-        v = attn.v_proj(h).view(B, 1, Hkv, E).transpose(1, 2)
+        q = linear(attn.q_proj, h).view(B, 1, H, E).transpose(1, 2)  # (B,1,H*E) -> (B,H,1,E)
+        k = linear(attn.k_proj, h).view(B, 1, Hkv, E).transpose(1, 2)  # -> (B, Hkv, 1, E)
+        v = linear(attn.v_proj, h).view(B, 1, Hkv, E).transpose(1, 2)
         q, k = rotate_qk(q, k, *rope_angles)
         write_token(keys, values, finite, slot, k, v)  # in place; finiteness checked once
         out = attention_with(q, keys, values, mask, kv_finite=finite.all(-1))  # (B, H, 1, E)
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(B, 1, H * E))  # -> (B, 1, H*E) -> D
+        x = x + linear(attn.o_proj, out.transpose(1, 2).reshape(B, 1, H * E))  # (B, 1, D)
         return self._mlp(x)
 
 
@@ -265,7 +267,7 @@ class LlamaModel(nn.Module):
             all_weights.append(w)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        logits = self.lm_head(self.norm(x))
+        logits = linear(self.lm_head, self.norm(x))
         return (logits, all_weights) if return_weights else logits
 
     def forward_step(
@@ -315,7 +317,7 @@ class LlamaModel(nn.Module):
         angles = self._rope_angles(position_ids, None, input_ids)
         for block, (keys, values, _, _, finite) in zip(self.blocks, buffers, strict=True):
             x = block.forward_step(x, mask, angles, slot, keys, values, finite)
-        return self.lm_head(self.norm(x))
+        return linear(self.lm_head, self.norm(x))
 
     def _rope_angles(self, position_ids, cache, input_ids):
         """(cos, sin) of the new tokens' rotary angles, (L, E) or (B, L, E), computed once for

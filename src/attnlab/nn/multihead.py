@@ -22,6 +22,7 @@ from attnlab._checks import check_count, check_dropout, check_floating, check_ma
 from attnlab.cache import Cache, SlidingWindowCache
 from attnlab.functional.rotary import RotaryScaling, apply_rotary_qk, rotate_qk
 from attnlab.functional.sdpa import attention_with
+from attnlab.kernels.few_rows import linear
 from attnlab.masks import plain, restrict, sliding_window_mask
 from attnlab.nn._names import COMPAT, FORWARD, INIT, refuse
 
@@ -157,9 +158,9 @@ class MultiHeadAttention(nn.Module):
         _check_width("key", key, self.kdim, self.q_proj.weight.dtype)
         _check_width("value", value, self.vdim, self.q_proj.weight.dtype)
         B, S, _ = key.shape
-        k = self.k_proj(key).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(value).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return k, v  # (B, S, Hkv*E) -> (B, Hkv, S, E)
+        k = linear(self.k_proj, key).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = linear(self.v_proj, value).view(B, S, self.num_kv_heads, self.head_dim)
+        return k, v.transpose(1, 2)  # (B, S, Hkv*E) -> (B, Hkv, S, E)
 
     def forward(
         self,
@@ -233,7 +234,7 @@ class MultiHeadAttention(nn.Module):
             )
         _check_width("query", query, self.d_model, self.q_proj.weight.dtype)
         B, L, _ = query.shape
-        q = self.q_proj(query).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+        q = linear(self.q_proj, query).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
         self_attention = key is None and kv is None  # (B, L, H*E) -> (B, H, L, E) above
         if kv is not None:
             k, v = kv
@@ -303,7 +304,7 @@ class MultiHeadAttention(nn.Module):
         if weights is not None and cache is not None:
             weights = _every_slot(weights, cache.key_positions(self.layer_idx).shape[0])
         out = out.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim)
-        out = self.out_dropout(self.o_proj(out))  # (B, H, L, E) -> (B, L, H*E) -> (B, L, D)
+        out = self.out_dropout(linear(self.o_proj, out))  # (B, H, L, E) -> (B, L, H*E) -> (B, L, D)
         return (out, weights) if return_weights else out
 
     def _from_cache(self, cache, k, v, key_mask, causal, q_pos, every_slot=False):
