@@ -70,7 +70,7 @@ def test_a_wrong_bias_axis_or_transpose_would_fail(monkeypatch):
 
 @pytest.mark.parametrize(
     "case",
-    ["grad", "many rows", "hooked", "subclass", "setting linear", "other dtype"],
+    ["grad", "many rows", "hooked", "subclass", "setting linear", "other dtype", "autocast"],
 )
 def test_the_layer_is_called_as_itself_where_the_order_could_show(monkeypatch, taken, case):
     monkeypatch.setenv(ENV, "weight-major")
@@ -97,10 +97,12 @@ def test_the_layer_is_called_as_itself_where_the_order_could_show(monkeypatch, t
             few_rows.linear(mod, x)
         assert taken[0] == 0
         return
-    with torch.set_grad_enabled(case == "grad"):
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast")
+    with torch.set_grad_enabled(case == "grad"), autocast:
         got = few_rows.linear(mod, x)
+        want = mod(x)
     assert taken[0] == 0
-    assert torch.equal(got, mod(x))
+    assert torch.equal(got, want)
     if case == "grad":
         got.sum().backward()
         assert x.grad is not None
@@ -139,8 +141,9 @@ def test_the_probe_times_both_orders_and_returns_their_ratio(monkeypatch):
 
 
 def test_inside_torch_compile_the_choice_is_a_constant_of_the_graph(monkeypatch, taken):
-    """The probe runs when dynamo traces the call (no graph break), and the compiled function
-    takes the order it chose."""
+    """Within fixed_sizes() (a graph specialised to its sizes), the probe runs when dynamo
+    traces the call (no graph break), and the compiled function takes the order it chose;
+    outside it (sizes may be symbolic) a traced call keeps F.linear and probes nothing."""
     monkeypatch.delenv(ENV, raising=False)
     seen = []
 
@@ -151,10 +154,19 @@ def test_inside_torch_compile_the_choice_is_a_constant_of_the_graph(monkeypatch,
     monkeypatch.setattr(few_rows, "measure", fake_measure)
     mod = layer(out_features=512, in_features=256)
     x = torch.randn(2, 256)
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            lambda x: few_rows.linear(mod, x), backend="eager", fullgraph=True, dynamic=dynamic
+        )
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), mod(x), rtol=1e-5, atol=1e-5)
+        assert seen == [] and taken[0] == 0
     torch._dynamo.reset()
     compiled = torch.compile(lambda x: few_rows.linear(mod, x), backend="eager", fullgraph=True)
-    with torch.no_grad():
+    with torch.no_grad(), few_rows.fixed_sizes():
         got = compiled(x)
+    with torch.no_grad():
         want = mod(x)
     assert len(seen) == 1 and seen[0][1:4] == (512, 256, 2)
     assert taken[0] >= 1  # (traced through the weight-major product)
@@ -167,7 +179,7 @@ def test_inside_torch_compile_the_choice_is_a_constant_of_the_graph(monkeypatch,
     )
     torch._dynamo.reset()
     compiled = torch.compile(lambda x: few_rows.linear(mod, x), backend="eager", fullgraph=True)
-    with torch.no_grad():
+    with torch.no_grad(), few_rows.fixed_sizes():
         torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-5)
     assert len(ratios) == 1 and 0.0 < ratios[0] < float("inf")
     torch._dynamo.reset()

@@ -31,8 +31,10 @@ matrices under :data:`SMALL_BYTES` are not measured (``F.linear``: the call, not
 
 It applies only where nothing else could notice: a tensor on CPU with at most :data:`FEW_ROWS`
 rows; no autograd recording (training keeps ``F.linear``, so a resumed run repeats an
-uninterrupted one bit for bit); and a module that is exactly ``nn.Linear`` with no hooks: a
-replaced or wrapped one (LoRA, quantized, parametrized, hooked) is called as itself.
+uninterrupted one bit for bit); no autocast; a module that is exactly ``nn.Linear`` with no
+hooks: a replaced or wrapped one (LoRA, quantized, parametrized, hooked) is called as itself;
+and, inside torch.compile, a graph of fixed sizes (:func:`fixed_sizes`: the compiled decode
+step, :class:`attnlab.models.DecodeStep`, with ``dynamic=False``, its default).
 
 ``ATTNLAB_CPU_FEW_ROWS_PRODUCT``: ``measure`` (the default), ``linear`` (always ``F.linear``:
 results that repeat bit for bit across processes and machines with the same BLAS) or
@@ -41,6 +43,8 @@ results that repeat bit for bit across processes and machines with the same BLAS
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import time
 
@@ -79,7 +83,7 @@ def _plain(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``module(x)`` is ``F.linear`` on CPU and nothing would see how it is computed."""
     if type(module) is not nn.Linear or x.device.type != "cpu":
         return False
-    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+    if any(getattr(module, name) for name in _HOOKS):
         return False
     if any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS):
         return False
@@ -88,11 +92,41 @@ def _plain(module: nn.Module, x: torch.Tensor) -> bool:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
-    if torch.compiler.is_compiling():  # (sizes must be plain ints: the choice is a constant)
-        return all(isinstance(n, int) for n in (*x.shape, *weight.shape))
+    if torch.is_autocast_enabled("cpu"):  # (the layer's dtype is not the product's there)
+        return False
+    if torch.compiler.is_compiling():  # (the choice is a constant of the graph: plain sizes)
+        return traced_with_fixed_sizes()
     return True
 
 
+_FIXED_SIZES = contextvars.ContextVar("attnlab_few_rows_fixed_sizes", default=False)
+
+
+@contextlib.contextmanager
+def fixed_sizes():
+    """Around a call of a function compiled with ``dynamic=False``: its traced calls take the
+    measured choice (a constant of the graph, for the sizes the graph is specialised to).
+
+    Elsewhere a traced call keeps ``F.linear``: with symbolic sizes the choice cannot be a
+    constant, and a traced branch on the row count would specialise the graph to it (dynamo
+    shows a symbolic size to Python as a plain int, so the code cannot tell by itself)."""
+    token = _FIXED_SIZES.set(True)
+    try:
+        yield
+    finally:
+        _FIXED_SIZES.reset(token)
+
+
+def traced_with_fixed_sizes() -> bool:
+    """Whether a call traced now is inside :func:`fixed_sizes` (read when traced, a constant)."""
+    return _FIXED_SIZES.get()
+
+
+# torch.compiler.assume_constant_result(traced_with_fixed_sizes), without importing torch._dynamo
+traced_with_fixed_sizes._dynamo_marked_constant = True
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = (
     "_global_forward_hooks",
     "_global_forward_pre_hooks",
@@ -117,14 +151,10 @@ def weight_major(dtype: torch.dtype, out_features: int, in_features: int, rows: 
     setting = env_setting(ENV, SETTINGS)
     if setting != "measure":
         return setting == "weight-major"
-    if out_features * in_features * _element_size(dtype) < SMALL_BYTES:
+    if out_features * in_features * dtype.itemsize < SMALL_BYTES:
         return False
     threads = torch.get_num_threads()
     return measure(dtype, out_features, in_features, rows, threads) <= MARGIN
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 # torch.compiler.assume_constant_result(weight_major), without importing torch._dynamo
@@ -141,8 +171,8 @@ def measure(dtype: torch.dtype, out_features: int, in_features: int, rows: int,
     One matrix multiplied again and again would sit in the CPU's caches, where the BLAS ranks
     the two orders otherwise: each round runs over copies of it that fill
     :data:`COLD_BYTES`, so that each product finds its matrix in memory."""
-    size = out_features * in_features * _element_size(dtype)
-    copies = max(2, -(-COLD_BYTES // max(size, 1)))
+    size = out_features * in_features * dtype.itemsize
+    copies = max(1, -(-COLD_BYTES // max(size, 1)))  # (a matrix past COLD_BYTES: itself)
     # (the values do not change the time: a constant fill is cheaper than random numbers)
     weights = torch.full((copies, out_features, in_features), 0.01, dtype=dtype)
     x = torch.full((rows, in_features), 0.5, dtype=dtype)

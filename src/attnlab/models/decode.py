@@ -50,11 +50,13 @@ References: PyTorch team, "Accelerating Generative AI with PyTorch II: GPT, Fast
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 
 from attnlab.cache import Cache, SlidingWindowCache, StaticCache
+from attnlab.kernels import few_rows
 from attnlab.nn import MultiHeadAttention
 
 __all__ = ["DecodeStep"]
@@ -172,7 +174,9 @@ class DecodeStep:
             position_ids = _dense(position_ids)
         if self._fn is None:
             self._fn = self._build(tokens.device)
-        with torch.no_grad():
+        # (a graph of fixed sizes: its few-row products may take the measured order)
+        sizes = few_rows.fixed_sizes() if self.dynamic is False else contextlib.nullcontext()
+        with torch.no_grad(), sizes:
             if self._cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are done
             if self.own_step:
