@@ -38,7 +38,7 @@ def layer(out_features=48, in_features=40, bias=True, dtype=torch.float32, seed=
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("lead", [(1,), (3,), (2, 1), (4, 2), (1, 16)])
+@pytest.mark.parametrize("lead", [(2,), (3,), (2, 1), (4, 2), (1, 16)])
 def test_weight_major_equals_the_layer_to_rounding(monkeypatch, taken, dtype, bias, lead):
     monkeypatch.setenv(ENV, "weight-major")
     mod = layer(bias=bias, dtype=dtype)
@@ -70,7 +70,19 @@ def test_a_wrong_bias_axis_or_transpose_would_fail(monkeypatch):
 
 @pytest.mark.parametrize(
     "case",
-    ["grad", "many rows", "hooked", "subclass", "setting linear", "other dtype", "autocast"],
+    [
+        "grad",
+        "bias-only grad",
+        "many rows",
+        "hooked",
+        "forward replaced",
+        "subclass",
+        "weight subclass",
+        "setting linear",
+        "other dtype",
+        "autocast",
+        "jit trace",
+    ],  # fmt: skip
 )
 def test_the_layer_is_called_as_itself_where_the_order_could_show(monkeypatch, taken, case):
     monkeypatch.setenv(ENV, "weight-major")
@@ -78,6 +90,17 @@ def test_the_layer_is_called_as_itself_where_the_order_could_show(monkeypatch, t
     called = []
     if case == "grad":
         x.requires_grad_()
+    if case == "bias-only grad":  # (BitFit: the bias alone trains)
+        mod.weight.requires_grad_(False)
+    if case == "forward replaced":  # (accelerate's hooks replace the instance's forward)
+        plain_forward = mod.forward
+        mod.forward = lambda x: 2 * plain_forward(x)
+    if case == "weight subclass":
+
+        class Tagged(torch.Tensor):
+            pass
+
+        mod.weight = nn.Parameter(mod.weight.detach().as_subclass(Tagged))
     if case == "many rows":
         x = torch.randn(few_rows.FEW_ROWS + 1, 40)
     if case == "hooked":
@@ -98,16 +121,71 @@ def test_the_layer_is_called_as_itself_where_the_order_could_show(monkeypatch, t
         assert taken[0] == 0
         return
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast")
-    with torch.set_grad_enabled(case == "grad"), autocast:
-        got = few_rows.linear(mod, x)
+    with torch.set_grad_enabled(case.endswith("grad")), autocast:
+        if case == "jit trace":
+            mod.requires_grad_(False)  # (a traced function keeps the parameters as constants)
+            # (check_trace=False: the check reruns the function untraced, where it may take
+            # the weight-major order)
+            traced = torch.jit.trace(lambda x: few_rows.linear(mod, x), (x,), check_trace=False)
+            x = torch.randn(3, 1, 40)  # (another rank: a traced weight-major view would fail)
+            got = traced(x)
+        else:
+            got = few_rows.linear(mod, x)
         want = mod(x)
     assert taken[0] == 0
     assert torch.equal(got, want)
-    if case == "grad":
+    if case.endswith("grad"):
         got.sum().backward()
-        assert x.grad is not None
+        assert mod.bias.grad is not None
     if case == "hooked":
         assert len(called) == 2  # (the hook saw the call through few_rows.linear too)
+
+
+@pytest.mark.parametrize("case", ["0-d input", "wrong width", "no outputs", "broadcast bias"])
+def test_sizes_the_layer_refuses_or_broadcasts_keep_its_own_answer(monkeypatch, taken, case):
+    monkeypatch.setenv(ENV, "weight-major")
+    mod, x = layer(out_features=3, in_features=1), torch.randn(2, 1)
+    if case == "0-d input":
+        x = torch.tensor(1.5)
+    if case == "wrong width":
+        mod = layer()
+        x = torch.randn(2, 20)
+    if case == "no outputs":
+        mod = nn.Linear(4, 0)
+        x = torch.randn(2, 4)
+    if case == "broadcast bias":
+        mod.bias = nn.Parameter(torch.randn(2, 3))
+    with torch.no_grad():
+        try:
+            want = mod(x)
+        except RuntimeError as error:
+            with pytest.raises(RuntimeError, match=str(error)[:40].replace("(", r"\(")):
+                few_rows.linear(mod, x)
+        else:
+            assert torch.equal(few_rows.linear(mod, x), want)
+    assert taken[0] == 0
+
+
+@pytest.mark.parametrize("mode", ["fake", "meta default device"])
+def test_no_probe_runs_under_a_mode_and_none_is_cached_there(monkeypatch, taken, mode):
+    """A probe run under FakeTensorMode or a default-device mode would time nothing real and
+    keep its ratio for the rest of the process: there the layer is called as itself."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.delenv(ENV, raising=False)
+    probed = []
+    monkeypatch.setattr(few_rows, "measure", lambda *key: probed.append(key) or 0.5)
+    mod = layer(out_features=512, in_features=256)
+    if mode == "fake":
+        with FakeTensorMode() as fake:
+            fake_mod = nn.Linear(256, 512)
+            out = few_rows.linear(fake_mod, fake.from_tensor(torch.randn(3, 256)))
+            assert out.shape == (3, 512)
+    else:
+        x = torch.randn(3, 256)
+        with torch.device("meta"), torch.no_grad():
+            assert torch.equal(few_rows.linear(mod, x), mod(x))
+    assert probed == [] and taken[0] == 0
 
 
 def test_a_bad_setting_names_the_variable_and_the_choices(monkeypatch):
@@ -117,21 +195,24 @@ def test_a_bad_setting_names_the_variable_and_the_choices(monkeypatch):
             few_rows.linear(layer(), torch.randn(2, 40))
 
 
-def test_measured_choice_is_made_once_and_small_matrices_are_not_measured(monkeypatch, taken):
+def test_measured_by_row_class_and_not_for_small_matrices_or_one_row(monkeypatch, taken):
     monkeypatch.delenv(ENV, raising=False)
     calls = []
     monkeypatch.setattr(
-        few_rows, "measure", lambda *key: calls.append(key) or (0.5 if key[3] == 3 else 1.0)
+        few_rows, "measure", lambda *key: calls.append(key) or (0.5 if key[3] == 4 else 1.0)
     )
     big = layer(out_features=512, in_features=256)  # 512 KiB: measured
     with torch.no_grad():
         few_rows.linear(layer(), torch.randn(3, 40))  # 7.5 KiB: F.linear, no probe
+        few_rows.linear(big, torch.randn(1, 256))  # one row: F.linear, no probe
         assert calls == [] and taken[0] == 0
-        few_rows.linear(big, torch.randn(3, 256))
-        few_rows.linear(big, torch.randn(2, 256))
+        for rows in (3, 2, 4):
+            few_rows.linear(big, torch.randn(rows, 256))
     threads = torch.get_num_threads()
-    assert calls == [(torch.float32, 512, 256, 3, threads), (torch.float32, 512, 256, 2, threads)]
-    assert taken[0] == 1  # (the 3-row call, where the probe said 0.5)
+    # rows in classes (powers of two): 3 and 4 ask for one measurement (cached by measure)
+    key = (torch.float32, 512, 256)
+    assert calls == [(*key, 4, threads), (*key, 2, threads), (*key, 4, threads)]
+    assert taken[0] == 2  # (3 and 4 rows, where the probe said 0.5)
 
 
 def test_the_probe_times_both_orders_and_returns_their_ratio(monkeypatch):

@@ -18,23 +18,31 @@ k, v (192, 576)             x1.08-1.11  x0.54-0.69  x1.15
 
 and a SmolLM2-shaped model (random weights) decoded greedily at batch 4 with a static cache,
 eager, 1.5x faster (17.6 -> 26.5 tokens/s, Hugging Face's generate 17.6; the same tokens).
-The two orders add the same products in another order: results differ in rounding only.
+The two orders add the same products in another order: results differ in rounding only (in
+float32 with 4,096 inputs per output, up to ~3x ``F.linear``'s error against float64; 16-bit
+results were the same).
 
 Which is faster depends on the CPU, its BLAS, the shape, the row count, the threads and whether
 the matrix is in cache (there the k and v projections were 1.3x slower weight-major), so it is
 measured, not guessed: once per
-process for each (dtype, out, in, rows, threads), both orders over copies of a matrix of that
-shape read from memory (:func:`measure`), round-robin, best of :data:`ROUNDS`; weight-major
-serves only where it took at most :data:`MARGIN` of ``F.linear``'s time (so that noise does not
-flip it between processes). A probe reads 1 GiB (~0.1-0.2 s), once per shape and row count;
-matrices under :data:`SMALL_BYTES` are not measured (``F.linear``: the call, not the bytes, costs).
+process for each (dtype, out, in, row class, threads) (rows rounded up to a power of two: 2, 4,
+8, 16), both orders over copies of a matrix of that shape read from memory (:func:`measure`),
+round-robin, best of :data:`ROUNDS`; weight-major serves only where it took at most
+:data:`MARGIN` of ``F.linear``'s time (so that noise does not flip it between processes). A
+probe reads 1 GiB with at most :data:`COLD_BYTES` of memory (0.2-0.5 s on 2 cores), once per
+shape and row class. Not measured, ``F.linear``: one row (both orders are then a matrix-vector
+product: x0.97-1.11 above) and matrices under :data:`SMALL_BYTES` (the call, not the bytes,
+costs).
 
-It applies only where nothing else could notice: a tensor on CPU with at most :data:`FEW_ROWS`
-rows; no autograd recording (training keeps ``F.linear``, so a resumed run repeats an
-uninterrupted one bit for bit); no autocast; a module that is exactly ``nn.Linear`` with no
-hooks: a replaced or wrapped one (LoRA, quantized, parametrized, hooked) is called as itself;
-and, inside torch.compile, a graph of fixed sizes (:func:`fixed_sizes`: the compiled decode
-step, :class:`attnlab.models.DecodeStep`, with ``dynamic=False``, its default).
+It applies only where nothing else could notice: plain CPU tensors (no subclass) with 2 to
+:data:`FEW_ROWS` rows, of the sizes the layer takes; no autograd recording (training, bias-only
+too, keeps ``F.linear``, so a resumed run repeats an uninterrupted one bit for bit); no
+autocast, no torch function or dispatch mode (FakeTensorMode, make_fx, a default device), no
+``torch.jit.trace``; a module that is exactly ``nn.Linear``, with no hooks and its own
+``forward``: a replaced or wrapped one (LoRA, quantized, parametrized, accelerate's hooks) is
+called as itself; and, inside torch.compile, a graph of fixed sizes (:func:`fixed_sizes`: the
+compiled decode step, :class:`attnlab.models.DecodeStep`, with ``dynamic=False``, its
+default).
 
 ``ATTNLAB_CPU_FEW_ROWS_PRODUCT``: ``measure`` (the default), ``linear`` (always ``F.linear``:
 results that repeat bit for bit across processes and machines with the same BLAS) or
@@ -46,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import threading
 import time
 
 import torch
@@ -56,7 +65,7 @@ from attnlab.kernels.choice import env_setting
 
 ENV = "ATTNLAB_CPU_FEW_ROWS_PRODUCT"
 SETTINGS = ("measure", "linear", "weight-major")
-FEW_ROWS = 16  # at most this many rows (tokens x sequences) take the choice
+FEW_ROWS = 16  # at most this many rows (tokens x sequences) take the choice (one does not)
 MARGIN = 0.9  # weight-major serves where it took at most this fraction of F.linear's time
 ROUNDS = 3  # timed rounds of each order after one warm-up round; the best of each is compared
 COLD_BYTES = 128 * 2**20  # each round of the probe reads this much matrix (past the caches)
@@ -70,8 +79,8 @@ def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not _plain(module, x):
         return module(x)
     out_features, in_features = module.weight.shape
-    rows = x.numel() // in_features if in_features else 0
-    if not 0 < rows <= FEW_ROWS:
+    rows = x.numel() // in_features
+    if not 1 < rows <= FEW_ROWS:  # (one row: both orders are a matrix-vector product)
         return module(x)
     if not weight_major(x.dtype, out_features, in_features, rows):
         return module(x)
@@ -80,23 +89,61 @@ def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _plain(module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether ``module(x)`` is ``F.linear`` on CPU and nothing would see how it is computed."""
-    if type(module) is not nn.Linear or x.device.type != "cpu":
+    """Whether ``module(x)`` is ``F.linear`` of plain CPU tensors of matching sizes, and nothing
+    would see how it is computed."""
+    if type(module) is not nn.Linear or "forward" in module.__dict__:  # (replaced: accelerate)
+        return False
+    if torch.jit.is_tracing():  # (a trace keeps the ranks and sizes it saw)
         return False
     if any(getattr(module, name) for name in _HOOKS):
         return False
     if any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS):
         return False
-    weight = module.weight
-    if weight.device.type != "cpu" or weight.dtype != x.dtype or weight.dim() != 2:
+    weight, bias = module.weight, module.bias
+    if not all(_plain_tensor(t) for t in (x, weight, bias) if t is not None):
+        return False  # (a subclass may override F.linear: torchao's, a __torch_function__'s)
+    if x.dtype != weight.dtype or weight.dim() != 2 or x.dim() < 1 or weight.numel() == 0:
+        return False  # (nn.Linear's own error, or its answer)
+    if x.shape[-1] != weight.shape[1] or (bias is not None and bias.shape != weight.shape[:1]):
         return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, bias) if t is not None):
         return False
     if torch.is_autocast_enabled("cpu"):  # (the layer's dtype is not the product's there)
         return False
     if torch.compiler.is_compiling():  # (the choice is a constant of the graph: plain sizes)
         return traced_with_fixed_sizes()
-    return True
+    return not _modes_active()
+
+
+def _plain_tensor(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu"
+
+
+def _modes_active() -> bool:
+    """Whether a torch function or dispatch mode is on (FakeTensorMode, make_fx, a default
+    device, a FLOP counter): it would see the order, and a probe run there would time nothing
+    real."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return bool(_get_current_function_mode_stack()) or _get_current_dispatch_mode() is not None
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_forward_hooks_always_called",
+)
+
+
+def _weight_major_product(x2, weight, bias):
+    """(rows, in) -> (rows, out): ``(W x^T)^T + b``, contiguous."""
+    if bias is None:
+        return torch.mm(weight, x2.t()).t().contiguous()
+    return torch.addmm(bias.unsqueeze(1), weight, x2.t()).t().contiguous()
 
 
 _FIXED_SIZES = contextvars.ContextVar("attnlab_few_rows_fixed_sizes", default=False)
@@ -145,16 +192,21 @@ def _weight_major_product(x2, weight, bias):
 
 def weight_major(dtype: torch.dtype, out_features: int, in_features: int, rows: int) -> bool:
     """Whether a linear layer of this shape takes the weight-major product for ``rows`` rows:
-    set by ``ATTNLAB_CPU_FEW_ROWS_PRODUCT``, or measured once per process and thread count (the
-    probe runs when torch.compile traces a call too, and the answer is a constant of the
-    graph)."""
+    set by ``ATTNLAB_CPU_FEW_ROWS_PRODUCT``, or measured once per process and thread count for
+    the row count's class (rounded up to a power of two; the probe runs when torch.compile
+    traces a call too, and the answer is a constant of the graph)."""
     setting = env_setting(ENV, SETTINGS)
     if setting != "measure":
         return setting == "weight-major"
-    if out_features * in_features * dtype.itemsize < SMALL_BYTES:
+    if out_features * in_features * dtype.itemsize < SMALL_BYTES or _modes_active():
         return False
-    threads = torch.get_num_threads()
-    return measure(dtype, out_features, in_features, rows, threads) <= MARGIN
+    rows_class = 1 << max(0, rows - 1).bit_length()
+    with _probe_lock:  # (two threads' first calls would time each other)
+        ratio = measure(dtype, out_features, in_features, rows_class, torch.get_num_threads())
+    return ratio <= MARGIN
+
+
+_probe_lock = threading.Lock()
 
 
 # torch.compiler.assume_constant_result(weight_major), without importing torch._dynamo
@@ -170,12 +222,15 @@ def measure(dtype: torch.dtype, out_features: int, in_features: int, rows: int,
 
     One matrix multiplied again and again would sit in the CPU's caches, where the BLAS ranks
     the two orders otherwise: each round runs over copies of it that fill
-    :data:`COLD_BYTES`, so that each product finds its matrix in memory."""
-    size = out_features * in_features * dtype.itemsize
-    copies = max(1, -(-COLD_BYTES // max(size, 1)))  # (a matrix past COLD_BYTES: itself)
-    # (the values do not change the time: a constant fill is cheaper than random numbers)
-    weights = torch.full((copies, out_features, in_features), 0.01, dtype=dtype)
-    x = torch.full((rows, in_features), 0.5, dtype=dtype)
+    :data:`COLD_BYTES`, so that each product finds its matrix in memory. A matrix larger than
+    that is probed by its first rows that fit: memory and time stay bounded."""
+    row_bytes = in_features * dtype.itemsize
+    out_probed = max(1, min(out_features, COLD_BYTES // max(row_bytes, 1)))
+    copies = max(1, COLD_BYTES // max(out_probed * row_bytes, 1))
+    # (plain CPU tensors, whatever the default device; the values do not change the time, and
+    # a constant fill is cheaper than random numbers)
+    weights = torch.full((copies, out_probed, in_features), 0.01, dtype=dtype, device="cpu")
+    x = torch.full((rows, in_features), 0.5, dtype=dtype, device="cpu")
     orders = {
         "linear": lambda w: F.linear(x, w),
         "weight-major": lambda w: _weight_major_product(x, w, None),
