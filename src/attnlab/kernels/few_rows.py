@@ -173,23 +173,6 @@ def traced_with_fixed_sizes() -> bool:
 traced_with_fixed_sizes._dynamo_marked_constant = True
 
 
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOKS = (
-    "_global_forward_hooks",
-    "_global_forward_pre_hooks",
-    "_global_backward_hooks",
-    "_global_backward_pre_hooks",
-    "_global_forward_hooks_always_called",
-)
-
-
-def _weight_major_product(x2, weight, bias):
-    """(rows, in) -> (rows, out): ``(W x^T)^T + b``, contiguous."""
-    if bias is None:
-        return torch.mm(weight, x2.t()).t().contiguous()
-    return torch.addmm(bias.unsqueeze(1), weight, x2.t()).t().contiguous()
-
-
 def weight_major(dtype: torch.dtype, out_features: int, in_features: int, rows: int) -> bool:
     """Whether a linear layer of this shape takes the weight-major product for ``rows`` rows:
     set by ``ATTNLAB_CPU_FEW_ROWS_PRODUCT``, or measured once per process and thread count for
