@@ -319,11 +319,23 @@ def test_resume_is_bit_identical_to_uninterrupted(tmp_path, char_tok):
         assert torch.equal(a, b), name
 
 
-def test_ctrl_c_finishes_the_step_saves_and_stops(tmp_path, char_tok, monkeypatch):
+@pytest.fixture
+def sigint_handler():
+    """Sets SIGINT's handler for a test (``sigint_handler(h)``) and puts back whatever it was
+    (pytest run in a shell's background starts with SIGINT ignored)."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    yield lambda handler: signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_finishes_the_step_saves_and_stops(tmp_path, char_tok, monkeypatch, sigint_handler):
     import signal
 
     from attnlab.translate import trainer
 
+    sigint_handler(signal.default_int_handler)  # (as in a terminal)
     data, _ = encode_pairs(char_tok, PAIRS * 4)
     model = build_model(model_config("rnn", "luong-dot", "tiny"), char_tok.vocab_size)
     calls = {"n": 0}
@@ -343,6 +355,35 @@ def test_ctrl_c_finishes_the_step_saves_and_stops(tmp_path, char_tok, monkeypatc
     saved = ckpt.latest_checkpoint(tmp_path)
     assert saved is not None and saved.name == "step-00000003"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+
+
+def test_a_sigint_the_process_ignores_stays_ignored(
+    tmp_path, char_tok, monkeypatch, sigint_handler
+):
+    """Started ignoring SIGINT (nohup, a shell's background job), training keeps ignoring it:
+    a Ctrl-C meant for the shell in front neither stops it nor changes its handler."""
+    import signal
+
+    from attnlab.translate import trainer
+
+    sigint_handler(signal.SIG_IGN)
+    data, _ = encode_pairs(char_tok, PAIRS * 4)
+    model = build_model(model_config("rnn", "luong-dot", "tiny"), char_tok.vocab_size)
+    calls = {"n": 0}
+    real_collate = trainer.collate
+
+    def collate_with_ctrl_c(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGINT)
+        return real_collate(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "collate", collate_with_ctrl_c)
+    opts = _tiny_opts(epochs=1.0, max_tokens=64)
+    state = fit(model, data, data, opts, tmp_path, progress_bar=False)
+    assert not state.interrupted and calls["n"] > 3
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 def test_checkpoint_round_trip_and_atomicity(tmp_path, char_tok, monkeypatch):

@@ -162,7 +162,10 @@ def init_distributed(device: str) -> Dist:
 
 # ------------------------------------------------------------------------------ interruption
 class StopFlag:
-    """SIGINT / SIGTERM set a flag; the loop saves and stops after the current step."""
+    """SIGINT / SIGTERM set a flag; the loop saves and stops after the current step.
+
+    A signal the process was started ignoring stays ignored (``nohup``, a shell's background
+    job: a Ctrl-C meant for the shell in front must not stop it), as Python itself does."""
 
     def __init__(self):
         self.requested = False
@@ -171,7 +174,8 @@ class StopFlag:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._old[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
