@@ -5,6 +5,8 @@ taken only where nothing else could tell, and the measured choice holds inside t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch._dynamo
@@ -216,9 +218,34 @@ def test_measured_by_row_class_and_not_for_small_matrices_or_one_row(monkeypatch
 
 
 def test_the_probe_times_both_orders_and_returns_their_ratio(monkeypatch):
+    """On a fake clock where a weight-major product takes 3 ticks and F.linear 1, the probe
+    returns 3 (not 1/3: the ratio's direction decides the order), and each round multiplies
+    every copy of the matrix, of the probed shape, by the rows' class."""
+    clock, seen = [0.0], {"linear": [], "weight-major": []}
+
+    def ticking(name, ticks):
+        def product(x, w, *rest):
+            seen[name].append((tuple(x.shape), tuple(w.shape), w.data_ptr()))
+            clock[0] += ticks
+            return None
+
+        return product
+
+    monkeypatch.setattr(few_rows, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(few_rows, "F", SimpleNamespace(linear=ticking("linear", 1.0)))
+    monkeypatch.setattr(few_rows, "_weight_major_product", ticking("weight-major", 3.0))
     monkeypatch.setattr(few_rows, "COLD_BYTES", 2**20)
-    ratio = UNCACHED_MEASURE(torch.float32, 256, 128, 4, 1, rounds=1)
-    assert 0.0 < ratio < float("inf")
+    ratio = UNCACHED_MEASURE(torch.float32, 256, 128, 4, 1, rounds=2)
+    assert ratio == 3.0
+    copies = 2**20 // (256 * 128 * 4)
+    for calls in seen.values():
+        assert len(calls) == 3 * copies  # a warm-up round and two timed ones
+        assert {(x, w) for x, w, _ in calls} == {((4, 128), (256, 128))}
+        assert len({ptr for _, _, ptr in calls}) == copies  # every copy, each once a round
+    # a matrix over COLD_BYTES is probed by the first rows that fit
+    seen["linear"].clear()
+    UNCACHED_MEASURE(torch.float32, 4096, 128, 4, 1, rounds=1)
+    assert {w for _, w, _ in seen["linear"]} == {(2**20 // (128 * 4), 128)}
 
 
 def test_inside_torch_compile_the_choice_is_a_constant_of_the_graph(monkeypatch, taken):

@@ -60,6 +60,8 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from attnlab.kernels.choice import env_setting
 
@@ -76,12 +78,18 @@ def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` for a linear layer ``module`` and x (..., in) -> (..., out), weight-major
     where that is measured faster (see the module's docstring), else as the module computes it.
     """
+    if type(module) is not nn.Linear:
+        return module(x)
+    if torch.compiler.is_compiling() and not traced_with_fixed_sizes():
+        return module(x)  # (before the row count: a traced branch on it would specialise it)
+    if x.dim() < 1 or not x.shape[-1]:
+        return module(x)
+    rows = x.numel() // x.shape[-1]
+    if not 1 < rows <= FEW_ROWS:  # (one row: both orders are a matrix-vector product)
+        return module(x)  # (first, cheap: a prefill's or training's call checks nothing more)
     if not _plain(module, x):
         return module(x)
     out_features, in_features = module.weight.shape
-    rows = x.numel() // in_features
-    if not 1 < rows <= FEW_ROWS:  # (one row: both orders are a matrix-vector product)
-        return module(x)
     if not weight_major(x.dtype, out_features, in_features, rows):
         return module(x)
     y = _weight_major_product(x.reshape(rows, in_features), module.weight, module.bias)
@@ -123,9 +131,6 @@ def _modes_active() -> bool:
     """Whether a torch function or dispatch mode is on (FakeTensorMode, make_fx, a default
     device, a FLOP counter): it would see the order, and a probe run there would time nothing
     real."""
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return bool(_get_current_function_mode_stack()) or _get_current_dispatch_mode() is not None
 
 
