@@ -24,6 +24,7 @@ spills reported). Usage::
     python benchmarks/gpu_compile.py                 # sm_90 (H100), every case (~3 minutes)
     python benchmarks/gpu_compile.py --quick         # bfloat16 and float32, E = 128 (CI)
     python benchmarks/gpu_compile.py --arch 80       # sm_80 (A100): a few spill 12-72 B
+    python benchmarks/gpu_compile.py --jobs 2        # 2 processes (default: the CPUs, <= 8)
 
 Needs ``pip install triton`` and no GPU; must not run under ``TRITON_INTERPRET=1``.
 """
@@ -31,11 +32,13 @@ Needs ``pip install triton`` and no GPU; must not run under ``TRITON_INTERPRET=1
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -207,40 +210,72 @@ def additive_cases(dtypes):
                 yield f"{str(dtype).removeprefix('torch.')} Dv={DV} {label}", run
 
 
+def compile_cases(cases, arch: int) -> tuple[list[Compiled], list[str]]:
+    """Compiles each (config, call) pair's kernels for ``sm_<arch>``: what they use, and the
+    configurations that did not compile."""
+    results: list[Compiled] = []
+    failures: list[str] = []
+    for config, run in cases:
+        with CompileEveryLaunch(arch) as launches:
+            try:
+                run()
+            except Exception as e:  # a kernel that does not compile for the target
+                failures.append(f"{config}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                print(f"FAIL {config}: {failures[-1]}", flush=True)
+                continue
+        for name, kernel, kw in launches.records:
+            regs, spilled = resources(kernel.asm["ptx"], name, arch)
+            tiles = "x".join(str(kw[k]) for k in ("BLOCK_M", "BLOCK_R", "BLOCK_L", "BLOCK_N",
+                                                  "BLOCK_S") if k in kw)  # fmt: skip
+            tiles += f" w{kernel.metadata.num_warps} s{kernel.metadata.num_stages}"
+            results.append(Compiled(name, config, tiles, regs, spilled, kernel.metadata.shared))
+    return results, failures
+
+
+def every_case(quick: bool) -> list:
+    """Every kernel's (config, call) pairs: float32, bfloat16 and float16 at head dims 64, 128
+    and 256, or (``quick``) bfloat16 and float32 at 128."""
+    from attnlab.kernels import triton_decode as td
+
+    td._splits = lambda B, Hkv, S, block_n, device: min(3, -(-S // block_n))  # no device to ask
+    dtypes = (torch.bfloat16, torch.float32) if quick else (torch.bfloat16, torch.float16,
+                                                            torch.float32)  # fmt: skip
+    dims = (128,) if quick else (64, 128, 256)
+    return [*attention_cases(dtypes, dims), *additive_cases(dtypes)]
+
+
+def compile_share(quick: bool, arch: int, share: int, shares: int):
+    """In a worker process: every ``shares``-th of :func:`every_case` from ``share``."""
+    return compile_cases(every_case(quick)[share::shares], arch)
+
+
 def main(argv=None, cases=None) -> int:
     """``cases``: (config, call) pairs instead of every kernel's (for tests)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMIT))
     p.add_argument("--quick", action="store_true", help="bfloat16 and float32 at E = 128")
+    p.add_argument("--jobs", type=int, default=min(8, len(os.sched_getaffinity(0))),
+                   help="processes compiling at once (default: the CPUs, at most 8)")  # fmt: skip
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the kernels must be compiled, not interpreted")
-    from attnlab.kernels import triton_decode as td
-
-    td._splits = lambda B, Hkv, S, block_n, device: min(3, -(-S // block_n))  # no device to ask
-    dtypes = (torch.bfloat16, torch.float32) if args.quick else (torch.bfloat16, torch.float16,
-                                                                 torch.float32)  # fmt: skip
-    dims = (128,) if args.quick else (64, 128, 256)
-    if cases is None:
-        cases = [*attention_cases(dtypes, dims), *additive_cases(dtypes)]
+    if args.jobs < 1:
+        p.error(f"--jobs: expected at least 1, got {args.jobs}")
     limit = SHARED_LIMIT[args.arch]
-    results: list[Compiled] = []
-    failures: list[str] = []
-    print(f"sm_{args.arch}: compiling {len(cases)} configurations (shared memory: {limit:,} B)")
-    for config, run in cases:
-        with CompileEveryLaunch(args.arch) as launches:
-            try:
-                run()
-            except Exception as e:  # a kernel that does not compile for the target
-                failures.append(f"{config}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-                print(f"FAIL {config}: {failures[-1]}")
-                continue
-        for name, kernel, kw in launches.records:
-            regs, spilled = resources(kernel.asm["ptx"], name, args.arch)
-            tiles = "x".join(str(kw[k]) for k in ("BLOCK_M", "BLOCK_R", "BLOCK_L", "BLOCK_N",
-                                                  "BLOCK_S") if k in kw)  # fmt: skip
-            tiles += f" w{kernel.metadata.num_warps} s{kernel.metadata.num_stages}"
-            results.append(Compiled(name, config, tiles, regs, spilled, kernel.metadata.shared))
+    if cases is not None:
+        print(f"sm_{args.arch}: compiling {len(cases)} configurations (shared memory: {limit:,} B)")
+        results, failures = compile_cases(cases, args.arch)
+    else:
+        count, jobs = len(every_case(args.quick)), args.jobs
+        print(f"sm_{args.arch}: compiling {count} configurations in {jobs} processes "
+              f"(shared memory: {limit:,} B)", flush=True)  # fmt: skip
+        spawn = multiprocessing.get_context("spawn")  # (no fork of a process that ran torch)
+        with ProcessPoolExecutor(jobs, mp_context=spawn) as pool:
+            futures = [pool.submit(compile_share, args.quick, args.arch, i, jobs)
+                       for i in range(jobs)]  # fmt: skip
+            shares = [future.result() for future in futures]
+        results = [r for share_results, _ in shares for r in share_results]
+        failures = [f for _, share_failures in shares for f in share_failures]
     from attnlab.kernels._triton import SPILLS_TIMED
 
     timed = {name: f"{rows}x{keys} w{warps} " for name, (rows, keys, warps) in SPILLS_TIMED.items()}

@@ -30,6 +30,28 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     collect_ignore = ["triton"]
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shard",
+        default=None,
+        help="I/N: run every N-th collected test from the I-th (0-based), so that N processes "
+        "share a folder's tests (tests/test_triton_interpreter.py runs tests/triton/ so)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if shard is None:
+        return
+    index, _, count = shard.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise pytest.UsageError(f"--shard: expected I/N with 0 <= I < N, got {shard!r}")
+    index, count = int(index), int(count)
+    kept = items[index::count]
+    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    items[:] = kept
+
+
 def np64(t):
     """A tensor (or None) as a float64/bool NumPy array for the oracle."""
     if t is None:

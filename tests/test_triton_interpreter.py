@@ -9,6 +9,7 @@ attnlab is imported. So the tests in ``tests/triton/`` run in a fresh pytest wit
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,19 +19,33 @@ import pytest
 HERE = Path(__file__).parent
 
 
-def test_triton_kernels_pass_under_the_interpreter():
+SHARDS = 2  # child processes sharing the folder's tests (the interpreter runs one core each)
+
+
+def test_triton_kernels_pass_under_the_interpreter(tmp_path):
     pytest.importorskip("triton", reason="pip install triton (the kernels extra)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "triton")],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=HERE.parent,
-    )
-    print(run.stdout[-3000:])
-    assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
-    assert " passed" in run.stdout and " skipped" not in run.stdout, run.stdout[-3000:]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    logs = [tmp_path / f"shard-{i}.log" for i in range(SHARDS)]
+    children = []
+    for i, log in enumerate(logs):  # (output to files: a full pipe would stall a child)
+        with log.open("w") as out:
+            children.append(subprocess.Popen(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                 f"--shard={i}/{SHARDS}", str(HERE / "triton")],
+                env=env, stdout=out, stderr=subprocess.STDOUT, cwd=HERE.parent,
+            ))  # fmt: skip
+    passed, collected = 0, set()
+    for child, log in zip(children, logs, strict=True):
+        child.wait()
+        output = log.read_text()
+        print(output[-3000:])
+        assert child.returncode == 0, output[-25000:]
+        assert " skipped" not in output, output[-3000:]
+        counts = re.search(r"(\d+) passed, (\d+) deselected", output)
+        assert counts, output[-3000:]
+        passed += int(counts[1])
+        collected.add(int(counts[1]) + int(counts[2]))
+    assert len(collected) == 1 and passed == collected.pop()  # the shards ran every test
 
 
 def test_without_the_interpreter_cpu_tensors_keep_the_existing_paths():
