@@ -47,9 +47,9 @@ def pytest_collection_modifyitems(config, items):
     if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
         raise pytest.UsageError(f"--shard: expected I/N with 0 <= I < N, got {shard!r}")
     index, count = int(index), int(count)
-    kept = items[index::count]
-    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
-    items[:] = kept
+    left = [item for i, item in enumerate(items) if i % count != index]
+    config.hook.pytest_deselected(items=left)
+    items[:] = items[index::count]
 
 
 def np64(t):

@@ -34,9 +34,14 @@ def test_triton_kernels_pass_under_the_interpreter(tmp_path):
                  f"--shard={i}/{SHARDS}", str(HERE / "triton")],
                 env=env, stdout=out, stderr=subprocess.STDOUT, cwd=HERE.parent,
             ))  # fmt: skip
+    try:
+        for child in children:
+            child.wait()
+    finally:  # (interrupted: no child runs on)
+        for child in children:
+            child.kill()
     passed, collected = 0, set()
     for child, log in zip(children, logs, strict=True):
-        child.wait()
         output = log.read_text()
         print(output[-3000:])
         assert child.returncode == 0, output[-25000:]
