@@ -430,6 +430,61 @@ def test_generate_keeps_the_layers_forward_while_hooks_sit_on_them():
     assert model._steps_as_forward()
 
 
+def test_generate_keeps_the_layers_forward_while_one_is_replaced_on_the_instance():
+    """A forward set on the instance (accelerate's add_hook_to_module, a user's edit) runs for
+    every token as a hook does: before, a static cache's steps bypassed it (other tokens)."""
+    import functools
+
+    from attnlab.models import LlamaConfig
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4,
+                                   num_kv_heads=2, d_ff=64)).eval()  # fmt: skip
+    prompt = torch.randint(0, 64, (2, 5))
+    attn, calls = model.blocks[1].attn, []
+    own = attn.forward
+
+    def edited(self, *args, **kwargs):  # the layer's output scaled: other tokens
+        calls.append(1)
+        out = own(*args, **kwargs)
+        return (out[0] * -20, *out[1:]) if isinstance(out, tuple) else out * -20
+
+    want = model.generate(prompt, 6, cache="static")
+    attn.forward = functools.partial(edited, attn)
+    try:
+        assert not model._steps_as_forward()
+        replaced = model.generate(prompt, 6, cache="dynamic")  # (forward for every token)
+        assert not torch.equal(replaced, want)  # (the replacement changes the tokens)
+        calls.clear()
+        assert torch.equal(model.generate(prompt, 6, cache="static"), replaced)
+        assert len(calls) == 6  # the prefill and 5 decode steps
+    finally:
+        del attn.forward
+    assert model._steps_as_forward()
+
+
+def test_a_step_past_a_full_static_cache_is_not_counted():
+    """forward_step checks nothing on the host: on a full StaticCache its token wraps to slot
+    0 over the first one. advance() then refuses to count it, with the fix."""
+    from attnlab.cache import StaticCache
+    from attnlab.models import LlamaConfig
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4,
+                                   num_kv_heads=2, d_ff=64)).eval()  # fmt: skip
+    ids = torch.randint(0, 64, (1, 9))
+    cache = StaticCache(8, num_layers=2)
+    with torch.no_grad():
+        model(ids[:, :7], cache=cache)
+        model.forward_step(ids[:, 7:8], tuple(cache.buffers(i) for i in range(2)))
+        cache.advance(1)  # the 8th slot: fits
+        assert cache.get_seq_length(0) == 8
+        model.forward_step(ids[:, 8:9], tuple(cache.buffers(i) for i in range(2)))
+        with pytest.raises(ValueError, match=r"max_length=8 holds 8 .*\(max_length >= 9\)"):
+            cache.advance(1)
+    assert cache.get_seq_length(0) == 8
+
+
 def test_generate_refuses_a_static_cache_too_small_before_any_work():
     """Before: it failed after decoding some tokens, and its fix named the length it had
     reached, not the one generate needs."""

@@ -510,6 +510,21 @@ class StaticCache(Cache):
         layer.write(slice(start, end), key, value, padding, start)
         return layer.storage()
 
+    def advance(self, num_tokens: int = 1) -> None:
+        """Count ``num_tokens`` tokens that a step wrote through :meth:`buffers`; refuses to
+        count past ``max_length``: such a step wrapped to slot 0 and overwrote the sequence's
+        first token (:class:`attnlab.models.DecodeStep` checks before the step)."""
+        length = max((layer.length for layer in self._layers.values()), default=0)
+        if length + num_tokens > self.max_length:
+            raise ValueError(
+                f"StaticCache of max_length={self.max_length} holds {length} token(s) and cannot "
+                f"count {num_tokens} more: a step written past its last slot wraps to slot 0 "
+                f"and overwrites the first token, so the cache no longer holds the sequence. "
+                f"Fix: StaticCache(max_length >= {length + num_tokens}), and check "
+                f"get_seq_length() < max_length before a step (DecodeStep does)."
+            )
+        super().advance(num_tokens)
+
     def filled_prefix(self, layer_idx: int) -> int | None:
         """Slots are written in order from 0 (slot = position): the first ``length`` are filled.
         None while traced: a compiled graph keeps the fixed shape that is this cache's point."""

@@ -280,13 +280,15 @@ class LlamaModel(nn.Module):
 
         The cache's storage is written in place; the caller counts the token afterwards
         (``cache.advance(1)``). Prefer :class:`attnlab.models.decode.DecodeStep`, which checks
-        the cache, compiles this once and does the counting.
+        the cache, compiles this once and does the counting. This step checks nothing on the
+        host (no sync): on a full StaticCache its slot wraps to 0 over the first token, and
+        ``advance`` then raises.
 
         Everything that moves from step to step is a tensor computed here, from the positions
         tensor of the cache (C slots, -1 = empty)::
 
             t    = positions.max() + 1          the new token's index in the sequence
-            slot = t % C                        StaticCache: t itself; SlidingWindowCache: ring
+            slot = t % C                        StaticCache: t itself (t < C); sliding: ring
             mask = (positions >= 0) & real      (B, C): filled, non-padding slots, the new one
                    [& (t - positions < window)]  included; every one of them is at or before t
 
@@ -423,7 +425,8 @@ class LlamaModel(nn.Module):
                 once per layer; 6-10% faster than :meth:`forward` on a 2-core CPU), and with a
                 dynamic cache :meth:`forward`. :meth:`forward_step` calls the blocks' norms and
                 projections, not the blocks' and attention layers' ``forward``: while forward
-                hooks sit on those (or the model), or a subclass overrides their ``forward``,
+                hooks sit on those (or the model), or their ``forward`` is overridden (by a
+                subclass, or replaced on the instance as accelerate's hooks do),
                 ``compile=False`` decodes with :meth:`forward` so that they run for every token
                 (a compiled step never runs them).
 
@@ -510,13 +513,16 @@ class LlamaModel(nn.Module):
     def _steps_as_forward(self) -> bool:
         """Whether :meth:`forward_step` runs what :meth:`forward` would, hooks included: no
         forward hook on the model, its blocks or their attention layers (whose ``forward`` it
-        does not call) and none of those ``forward`` overridden."""
+        does not call) and none of those ``forward`` overridden (by a subclass, or on the
+        instance)."""
         from torch.nn.modules import module
 
         if module._global_forward_hooks or module._global_forward_pre_hooks:
             return False
         layers = [self, *self.blocks, *(block.attn for block in self.blocks)]
         if any(m._forward_hooks or m._forward_pre_hooks for m in layers):
+            return False
+        if any("forward" in m.__dict__ for m in layers):  # (replaced on the instance: accelerate)
             return False
         return type(self).forward is LlamaModel.forward and all(
             type(block).forward is Block.forward
