@@ -436,7 +436,7 @@ def test_bad_softcap_is_rejected_with_the_fix(softcap):
         integ.attnlab_attention_forward(Module(groups=3), q, k, v, None, softcap=softcap)
 
 
-@pytest.mark.parametrize("name", ["s_aux", "sinks", "cache"])
+@pytest.mark.parametrize("name", ["s_aux", "sinks", "cache", "indices", "block_indices"])
 def test_unsupported_features_are_rejected_with_the_fix(name):
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="does not support.*set_attn_implementation"):
@@ -736,6 +736,50 @@ def test_tiny_gemma2_softcap_and_sliding_window_equal_eager():
     assert tokens["eager", None].shape[-1] == 20
     assert torch.equal(tokens["attnlab", None], tokens["eager", None])
     assert torch.equal(tokens["attnlab", "static"], tokens["eager", None])
+
+
+def test_tiny_gemma4_with_kv_shared_layers_equals_eager():
+    """Gemma 4 keeps only the last queries (logits_to_keep) for its KV-shared layers after the
+    mask is made, slicing the mask; a None mask there read as top-left causal (before: 0.36 off
+    at logits_to_keep=3, and a static cache's first step attended its empty slots)."""
+    torch.manual_seed(0)
+    config = transformers.Gemma4TextConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=16,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2,
+        vocab_size_per_layer_input=100,
+        hidden_size_per_layer_input=8,
+        max_position_embeddings=128,
+        attn_implementation="eager",
+    )
+    model = transformers.Gemma4ForCausalLM(config).eval()
+    oracle = _double(model)
+    ids = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(0))
+    for keep in (3, 1):
+        eager = run(model, "eager", input_ids=ids, logits_to_keep=keep).logits
+        got = run(model, "attnlab", input_ids=ids, logits_to_keep=keep).logits
+        with torch.no_grad():
+            ref = oracle(input_ids=ids, logits_to_keep=keep).logits
+        check(f"gemma4 logits, logits_to_keep={keep}", got, ref, eager)
+    # decoding with a static cache; controls: eager and SDPA (the farther from the oracle)
+    steps = {}
+    kw = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    for impl in ("attnlab", "eager", "sdpa"):
+        with using(model, impl):
+            steps[impl] = model.generate(ids, cache_implementation="static", **kw)
+    steps["oracle"] = oracle.generate(ids, cache_implementation="static", **kw)
+    assert torch.equal(steps["attnlab"].sequences, steps["eager"].sequences)
+    for i, (got, *controls, ref) in enumerate(zip(*(steps[k].logits for k in steps), strict=True)):
+        control = max(controls, key=lambda c: _maxabs(c.double() - ref))
+        check(f"gemma4 static step {i}", got, ref, control)
 
 
 def test_tiny_t5_position_bias_equals_eager():

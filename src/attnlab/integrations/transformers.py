@@ -97,6 +97,8 @@ _UNSUPPORTED = {
     "s_aux": "attention sinks (s_aux, as gpt-oss)",
     "sinks": "attention sinks",
     "cache": "a paged KV cache (continuous batching)",
+    "indices": "sparse attention over selected keys (indices, as DeepSeek-V3.2's indexer)",
+    "block_indices": "block-sparse attention over selected key blocks (block_indices)",
 }
 
 
@@ -155,8 +157,8 @@ def attnlab_attention_forward(
         query rows get weights 0 and output 0 (eager: uniform weights).
 
     Raises:
-        ValueError: ``softcap`` not a positive number, attention sinks or a paged cache, query
-            not 4-D; and every check of :func:`attnlab.functional.scaled_dot_product_attention`
+        ValueError: ``softcap`` not a positive number, attention sinks, a paged cache or
+            sparse attention's selected keys (``indices``, ``block_indices``), query not 4-D; and every check of :func:`attnlab.functional.scaled_dot_product_attention`
             (shapes, dtypes, Hkv not dividing H, a mask that does not broadcast).
 
     References:
@@ -274,7 +276,16 @@ def attnlab_mask(*args, **kwargs) -> torch.Tensor | None:
         cache offsets all folded in) -- attnlab's own convention, passed on unchanged; or None
         when the pattern is plain causal or plain bidirectional with no padding (then the
         attention function uses ``is_causal``, the fused kernel's fastest mode).
+
+        A model whose layers share keys and values (``num_kv_shared_layers``, Gemma 4) always
+        gets the mask: it keeps only the last queries for its shared layers after the mask is
+        made, slicing the mask with them, and a None there would read as top-left causal (as
+        ``is_causal`` does in torch's kernel; transformers materialises it for "sdpa" alone).
     """
+    config = kwargs.get("config")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "num_kv_shared_layers", 0) or getattr(config, "num_kv_shared_layers", 0):
+        kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
 
