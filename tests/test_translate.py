@@ -320,69 +320,60 @@ def test_resume_is_bit_identical_to_uninterrupted(tmp_path, char_tok):
 
 
 @pytest.fixture
-def sigint_handler():
-    """Sets SIGINT's handler for a test (``sigint_handler(h)``) and puts back whatever it was
-    (pytest run in a shell's background starts with SIGINT ignored)."""
-    import signal
-
-    before = signal.getsignal(signal.SIGINT)
-    yield lambda handler: signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGINT, before)
-
-
-def test_ctrl_c_finishes_the_step_saves_and_stops(tmp_path, char_tok, monkeypatch, sigint_handler):
+def ctrl_c_in_step_3(monkeypatch):
+    """``ctrl_c_in_step_3(handler)``: SIGINT's handler set to ``handler`` (put back after the
+    test: pytest run in a shell's background starts with SIGINT ignored), and a SIGINT raised
+    in the middle of training step 3 (its batch's collate); returns the collate calls seen,
+    each with the handler then in place."""
     import signal
 
     from attnlab.translate import trainer
 
-    sigint_handler(signal.default_int_handler)  # (as in a terminal)
-    data, _ = encode_pairs(char_tok, PAIRS * 4)
-    model = build_model(model_config("rnn", "luong-dot", "tiny"), char_tok.vocab_size)
-    calls = {"n": 0}
+    before, seen = signal.getsignal(signal.SIGINT), []
     real_collate = trainer.collate
 
-    def collate_then_ctrl_c(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:  # Ctrl-C arrives in the middle of step 3
+    def collate_with_ctrl_c(*args, **kwargs):
+        seen.append(signal.getsignal(signal.SIGINT))
+        if len(seen) == 3:
             signal.raise_signal(signal.SIGINT)
         return real_collate(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "collate", collate_then_ctrl_c)
-    state = fit(
-        model, data, data, _tiny_opts(epochs=5.0, max_tokens=64), tmp_path, progress_bar=False
-    )
+    def arm(handler):
+        signal.signal(signal.SIGINT, handler)
+        monkeypatch.setattr(trainer, "collate", collate_with_ctrl_c)
+        return seen
+
+    yield arm
+    signal.signal(signal.SIGINT, before)
+
+
+def _fit_tiny(char_tok, tmp_path, epochs):
+    data, _ = encode_pairs(char_tok, PAIRS * 4)
+    model = build_model(model_config("rnn", "luong-dot", "tiny"), char_tok.vocab_size)
+    opts = _tiny_opts(epochs=epochs, max_tokens=64)
+    return fit(model, data, data, opts, tmp_path, progress_bar=False)
+
+
+def test_ctrl_c_finishes_the_step_saves_and_stops(tmp_path, char_tok, ctrl_c_in_step_3):
+    import signal
+
+    ctrl_c_in_step_3(signal.default_int_handler)  # (as in a terminal)
+    state = _fit_tiny(char_tok, tmp_path, epochs=5.0)
     assert state.interrupted and state.step == 3  # step 3 completed, nothing after it
     saved = ckpt.latest_checkpoint(tmp_path)
     assert saved is not None and saved.name == "step-00000003"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
 
 
-def test_a_sigint_the_process_ignores_stays_ignored(
-    tmp_path, char_tok, monkeypatch, sigint_handler
-):
+def test_a_sigint_the_process_ignores_stays_ignored(tmp_path, char_tok, ctrl_c_in_step_3):
     """Started ignoring SIGINT (nohup, a shell's background job), training keeps ignoring it:
     a Ctrl-C meant for the shell in front neither stops it nor changes its handler."""
     import signal
 
-    from attnlab.translate import trainer
-
-    sigint_handler(signal.SIG_IGN)
-    data, _ = encode_pairs(char_tok, PAIRS * 4)
-    model = build_model(model_config("rnn", "luong-dot", "tiny"), char_tok.vocab_size)
-    calls = {"n": 0}
-    real_collate = trainer.collate
-
-    def collate_with_ctrl_c(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-            signal.raise_signal(signal.SIGINT)
-        return real_collate(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "collate", collate_with_ctrl_c)
-    opts = _tiny_opts(epochs=1.0, max_tokens=64)
-    state = fit(model, data, data, opts, tmp_path, progress_bar=False)
-    assert not state.interrupted and calls["n"] > 3
+    seen = ctrl_c_in_step_3(signal.SIG_IGN)
+    state = _fit_tiny(char_tok, tmp_path, epochs=1.0)
+    assert not state.interrupted and len(seen) > 3
+    assert set(seen) == {signal.SIG_IGN}
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
