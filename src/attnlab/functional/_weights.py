@@ -119,8 +119,16 @@ class _Blocks:
 def _mask_(w, keep, causal):
     """Scores ``w`` masked in place: ``keep`` a bool mask or an additive bias (its -inf entries
     mask), ``causal`` a bool (r, S) triangle; either may be None; both broadcast to ``w``."""
-    if keep is not None and keep.dtype != torch.bool:
+    if keep is not None and keep.dtype != torch.bool and w.element_size() >= 4:
         w.add_(keep)
+        keep = None
+    elif keep is not None and keep.dtype != torch.bool:
+        # 16-bit scores: the bias is added in float32 and each row kept relative to its max
+        # (softmax is unchanged by a row's shift), so that a bias near the dtype's limit (a
+        # float16 mask row of -65504) does not absorb the scores, as it would added in 16 bits
+        t = w.float().add_(keep)
+        top = t.amax(-1, keepdim=True)
+        w.copy_(t.sub_(top.masked_fill_(~top.isfinite(), 0.0)))  # (dead and NaN rows as they are)
         keep = None
     if causal is not None:
         keep = causal if keep is None else keep & causal
