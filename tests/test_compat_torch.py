@@ -396,6 +396,17 @@ def test_add_zero_attn_rescues_fully_padded_rows_as_torch():
     assert (w_o[1, :, S] == 1).all()
 
 
+@pytest.mark.parametrize("config", [{}, {"add_bias_kv": True, "add_zero_attn": True}])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_an_empty_batch_gives_torchs_empty_results(config, batch_first):
+    """N = 0 (a data loader's empty last batch): torch returns empty results; ours did
+    ``view(N, -1, ...)``, which cannot infer -1 from 0 elements, and raised."""
+    theirs, ours = pair(batch_first=batch_first, **config)
+    (out_t, w_t), (out_o, w_o) = both(theirs, ours, *inputs(batch_first=batch_first, n=0))
+    assert out_o.shape == out_t.shape and w_o.shape == w_t.shape
+    assert out_o.numel() == 0 and w_o.numel() == 0
+
+
 def test_bias_false():
     theirs, ours = pair(bias=False)
     assert ours.in_proj_bias is None and ours.out_proj.bias is None
