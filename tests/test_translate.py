@@ -249,6 +249,15 @@ def test_beam_search_finds_at_least_greedy_score():
         assert g[i].score == pytest.approx(logp(g[i], i), abs=1e-4)
         assert b[i].score == pytest.approx(logp(b[i], i), abs=1e-4)
         assert b[i].score >= g[i].score - 1e-4
+    # with the GNMT penalty: log p / lp(n), n the scored tokens (EOS counts where it ended one;
+    # before, a hypothesis cut at the length limit was divided by lp(n + 1), a step of reward
+    # it had not scored)
+    alpha = 0.6
+    b = beam_search(model, src, lengths, beam_size=5, length_penalty=alpha)
+    assert not all(h.eos for h in b)  # (a cut one is checked)
+    for i in range(3):
+        n = len(b[i].tokens) + b[i].eos
+        assert b[i].score == pytest.approx(logp(b[i], i) / ((5 + n) / 6) ** alpha, abs=1e-4)
 
 
 # ------------------------------------------------------------------------------ training

@@ -162,7 +162,8 @@ def beam_search(
                         if attn is not None:
                             a = full_attn[row].cpu()
                         finished[b].append(
-                            Hypothesis(seq, s / penalty(len(seq) + 1), a, tok == EOS)
+                            # (len counts the scored tokens: EOS too, where it ended one)
+                            Hypothesis(seq, s / penalty(len(seq) + (tok == EOS)), a, tok == EOS)
                         )
                 elif alive < K:
                     next_rows[b, alive], next_tok[b, alive], next_scores[b, alive] = row, tok, s
