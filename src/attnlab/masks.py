@@ -72,7 +72,8 @@ class Mask(torch.Tensor):
     """A bool tensor (True = may attend) whose ``repr`` is an ASCII picture.
 
     Any torch operation on a ``Mask`` returns a plain ``torch.Tensor`` (an in-place one, the
-    mask itself), so the subclass never leaks into computations. It wraps the plain tensor
+    mask itself; a conversion that changes nothing, ``.cpu()`` or ``.bool()`` of a CPU mask,
+    returns it too, as torch returns ``self``), so the subclass never leaks into computations. It wraps the plain tensor
     (``_data``) as torch's traceable subclasses do (``__tensor_flatten__``), so a ``Mask`` may
     be an input of a ``torch.compile``-d function or an exported program: compiled graphs see
     the plain tensor. (A subclass that shares its tensor's storage, as this one was, fails
