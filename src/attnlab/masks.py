@@ -73,11 +73,12 @@ class Mask(torch.Tensor):
 
     Any torch operation on a ``Mask`` returns a plain ``torch.Tensor`` (an in-place one, the
     mask itself; a conversion that changes nothing, ``.cpu()`` or ``.bool()`` of a CPU mask,
-    returns it too, as torch returns ``self``), so the subclass never leaks into computations. It wraps the plain tensor
-    (``_data``) as torch's traceable subclasses do (``__tensor_flatten__``), so a ``Mask`` may
-    be an input of a ``torch.compile``-d function or an exported program: compiled graphs see
-    the plain tensor. (A subclass that shares its tensor's storage, as this one was, fails
-    in AOTAutograd as an input; inside a traced function a ``Mask`` is never made at all.)
+    returns it too, as torch returns ``self``), so the subclass never leaks into computations.
+    It wraps the plain tensor (``_data``) as torch's traceable subclasses do
+    (``__tensor_flatten__``), so a ``Mask`` may be an input of a ``torch.compile``-d function
+    or an exported program: compiled graphs see the plain tensor. (A subclass that shares its
+    tensor's storage, as this one was, fails in AOTAutograd as an input; inside a traced
+    function a ``Mask`` is never made at all.)
     """
 
     @staticmethod

@@ -158,7 +158,8 @@ def attnlab_attention_forward(
 
     Raises:
         ValueError: ``softcap`` not a positive number, attention sinks, a paged cache or
-            sparse attention's selected keys (``indices``, ``block_indices``), query not 4-D; and every check of :func:`attnlab.functional.scaled_dot_product_attention`
+            sparse attention's selected keys (``indices``, ``block_indices``), query not 4-D;
+            and every check of :func:`attnlab.functional.scaled_dot_product_attention`
             (shapes, dtypes, Hkv not dividing H, a mask that does not broadcast).
 
     References:
