@@ -37,9 +37,6 @@ import transformers  # noqa: E402
 from transformers.masking_utils import (  # noqa: E402
     AttentionMaskInterface,
     eager_mask,
-    sdpa_mask,
-    sliding_window_bidirectional_mask_function,
-    sliding_window_causal_mask_function,
 )
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
 from transformers.models.gemma2.modeling_gemma2 import (  # noqa: E402
@@ -322,53 +319,74 @@ def test_mask_none_means_top_left_causal_and_crops_static_cache_slots(monkeypatc
     torch.testing.assert_close(out, ref)
 
 
-def test_sliding_window_when_the_mask_is_none_matches_transformers_mask():
+def test_sliding_window_argument_is_ignored_as_eager_and_sdpa_do():
+    """transformers' eager and sdpa functions take the window from the mask only; a None mask
+    (which transformers never builds while the window masks anything) means no window. attnlab
+    applied the argument there before: 0.21 off eager on OLMoE with config.sliding_window."""
     L = S = 8
     q, k, v = _qkv(1, 4, 2, L, S)
-    module = Module(groups=2)
-    hf = sdpa_mask(
-        batch_size=1,
-        q_length=L,
-        kv_length=S,
-        mask_function=sliding_window_causal_mask_function(3),
-        allow_is_causal_skip=False,
-    )
-    want, want_w = integ.attnlab_attention_forward(module, q, k, v, hf, output_attentions=True)
-    got, got_w = integ.attnlab_attention_forward(
-        module, q, k, v, None, sliding_window=3, output_attentions=True
-    )
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(got_w, want_w)
-    assert (got_w[..., 4, :2] == 0).all() and (got_w[..., 4, 2:5] > 0).all()
-    # Decoding one query after 7 cached keys: it sees the last 3.
-    _, w = integ.attnlab_attention_forward(
-        module, q[:, :, -1:], k, v, None, sliding_window=3, output_attentions=True
-    )
-    assert (w[..., :5] == 0).all() and (w[..., 5:] > 0).all()
+    for is_causal, window in ((True, 3), (False, 3)):
+        module = Module(is_causal=is_causal, groups=2)
+        want, want_w = integ.attnlab_attention_forward(
+            module, q, k, v, None, output_attentions=True
+        )
+        got, got_w = integ.attnlab_attention_forward(
+            module, q, k, v, None, sliding_window=window, output_attentions=True
+        )
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_w, want_w)
+        assert (got_w[..., 7, :5] > 0).all()  # keys outside the window are attended
 
 
-def test_a_bidirectional_window_when_the_mask_is_none_matches_transformers_mask():
-    """An encoder's local attention (ModernBERT): transformers passes sliding_window = its
-    config's half-window + 1, flash attention's window_size = (w - 1, w - 1), and masks
-    |i - j| <= half-window. attnlab saw one key more each side (|i - j| <= w) before."""
-    L = S = 9
-    q, k, v = _qkv(1, 4, 2, L, S)
-    module = Module(is_causal=False, groups=2)
-    half = 2  # config.sliding_window
-    hf = sdpa_mask(
-        batch_size=1,
-        q_length=L,
-        kv_length=S,
-        mask_function=sliding_window_bidirectional_mask_function(half),
-        allow_is_causal_skip=False,
+def _tiny_causal_lm(config_class, model_class, **extra):
+    torch.manual_seed(0)
+    config = config_class(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+        attn_implementation="eager",
+        **extra,
     )
-    want, want_w = integ.attnlab_attention_forward(module, q, k, v, hf, output_attentions=True)
-    got, got_w = integ.attnlab_attention_forward(
-        module, q, k, v, None, sliding_window=half + 1, output_attentions=True
+    return model_class(config).eval()
+
+
+def test_tiny_mistral_unpadded_window_comes_through_the_mask():
+    """No padding, L > window: transformers still builds the mask (the window cannot be
+    skipped), so the window reaches attnlab through it, and the logits equal eager's."""
+    model = _tiny_causal_lm(
+        transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=3
     )
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(got_w, want_w)
-    assert (got_w[..., 4, 2:7] > 0).all() and (got_w[..., 4, [0, 1, 7, 8]] == 0).all()
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    got = run(model, "attnlab", input_ids=ids, output_attentions=True)
+    eager = run(model, "eager", input_ids=ids, output_attentions=True)
+    with torch.no_grad():
+        ref = _double(model)(input_ids=ids)
+    check("mistral window logits", got.logits, ref.logits, eager.logits)
+    assert (got.attentions[0][:, :, 9, :7] == 0).all() and (
+        got.attentions[0][:, :, 9, 7:] > 0
+    ).all()
+
+
+def test_tiny_olmoe_with_a_window_its_mask_lacks_equals_eager():
+    """OLMoE passes config.sliding_window to the attention function but builds a plain causal
+    mask: eager and sdpa attend every key. attnlab did too only with padding."""
+    model = _tiny_causal_lm(
+        transformers.OlmoeConfig,
+        transformers.OlmoeForCausalLM,
+        num_experts=4,
+        num_experts_per_tok=2,
+        eos_token_id=None,
+    )
+    model.config.sliding_window = 3
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    got = run(model, "attnlab", input_ids=ids).logits
+    eager = run(model, "eager", input_ids=ids).logits  # reference: its experts refuse float64
+    sdpa = run(model, "sdpa", input_ids=ids).logits  # the control
+    check("olmoe config window logits", got, eager, sdpa, ulps=16)
 
 
 def test_softcap_matches_gemma2_eager():

@@ -34,7 +34,7 @@ How Hugging Face's arguments map onto attnlab's (letters as in docs/conventions.
     scaling                               scale
     dropout (while module.training)       dropout_p
     output_attentions=True                return_weights=True
-    sliding_window                        already in HF's mask; sliding_window_mask if None
+    sliding_window                        in HF's mask; the argument is ignored, as eager/sdpa
     softcap (Gemma 2)                     scores -> softcap * tanh(scores / softcap)
     position_bias (T5) (B|1, H, L, S)     float mask: the bias where allowed, -inf elsewhere
 
@@ -69,7 +69,6 @@ from collections.abc import Callable
 import torch
 
 from attnlab import functional as AF
-from attnlab import masks
 from attnlab.functional._layout import with_causal
 
 try:
@@ -142,10 +141,11 @@ def attnlab_attention_forward(
         dropout: probability of zeroing a weight; applied only while ``module.training``.
         scaling: score multiplier; ``E ** -0.5`` when None.
         is_causal: overrides ``module.is_causal`` when the mask is None.
-        sliding_window: each query sees itself and the ``sliding_window - 1`` keys before it
-            (``|i - j| < sliding_window`` when not causal: transformers passes it as flash
-            attention's ``window_size = (w - 1, w - 1)``). transformers already puts it in the
-            mask it builds; it is applied here only when the mask is None.
+        sliding_window: ignored, as by transformers' eager and sdpa functions: the window is
+            in the mask transformers builds for a sliding layer, which is never None while the
+            window masks anything (``_ignore_causal_mask_sdpa`` refuses to skip it). A model that
+            passes a window its mask does not have (OLMoE with ``config.sliding_window`` set)
+            attends every key, as under eager; only flash attention would apply it there.
         softcap: positive cap of the scores (Gemma 2's ``attn_logit_softcapping``).
         position_bias: additive bias broadcastable to (B, H, L, S) (T5's relative positions).
         **kwargs: ``output_attentions=True`` returns the weights; ``position_ids``,
@@ -202,8 +202,6 @@ def attnlab_attention_forward(
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         if causal and L > 1:
             alignment = "top_left"  # the queries are the first L positions (StaticCache prefill)
-        if sliding_window is not None and S > sliding_window:
-            mask = _window_mask(sliding_window, bool(causal), L, S, query.device)
     if position_bias is not None:
         mask = _add_bias(position_bias, mask)
 
@@ -229,21 +227,6 @@ def attnlab_attention_forward(
     out, weights = result if return_weights else (result, None)
     # (B, H, L, Ev) -> (B, L, H, Ev): the caller merges the heads with reshape(B, L, H * Ev)
     return out.transpose(1, 2).contiguous(), weights
-
-
-def _window_mask(window: int, causal: bool, L: int, S: int, device) -> torch.Tensor:
-    """(L, S) sliding-window mask for the mask-None case, aligned as the causal rule above.
-
-    L > 1: the queries are the first L positions (top-left); L == 1: the one query is the last
-    position, after S - 1 cached keys (bottom-right).
-    """
-    # transformers passes the window as flash attention takes it, window_size = (w - 1, w - 1):
-    # |i - j| < w both ways (ModernBERT passes its config's half-window + 1), as attnlab's
-    alignment = "top_left" if L > 1 else "bottom_right"
-    keep = masks.sliding_window_mask(
-        L, S, window=window, alignment=alignment, causal=causal, device=device
-    )
-    return masks.plain(keep)
 
 
 def _add_bias(bias: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
