@@ -371,6 +371,42 @@ def test_tiny_mistral_unpadded_window_comes_through_the_mask():
     ).all()
 
 
+def test_tiny_modernbert_unpadded_local_attention_comes_through_the_mask():
+    """The encoder's case: a bidirectional window (local_attention 4: |i - j| <= 2) with no
+    padding still reaches attnlab as a mask, so ignoring the argument loses nothing."""
+    torch.manual_seed(0)
+    config = transformers.ModernBertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        local_attention=4,
+        global_attn_every_n_layers=2,  # layers: global, then local
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+        initializer_range=0.2,
+        attn_implementation="eager",
+    )
+    model = transformers.ModernBertModel(config).eval()
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    got = run(model, "attnlab", input_ids=ids, output_attentions=True)
+    eager = run(model, "eager", input_ids=ids, output_attentions=True)
+    sdpa = run(model, "sdpa", input_ids=ids)
+    check(
+        "modernbert local",
+        got.last_hidden_state,
+        eager.last_hidden_state,
+        sdpa.last_hidden_state,
+        ulps=16,
+    )
+    local = got.attentions[1][:, :, 6]
+    assert (local[..., 4:9] > 0).all() and (local[..., [0, 1, 2, 3, 9, 10, 11]] == 0).all()
+
+
 def test_tiny_olmoe_with_a_window_its_mask_lacks_equals_eager():
     """OLMoE passes config.sliding_window to the attention function but builds a plain causal
     mask: eager and sdpa attend every key. attnlab did too only with padding."""
