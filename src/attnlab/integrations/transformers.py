@@ -268,7 +268,7 @@ def attnlab_mask(*args, **kwargs) -> torch.Tensor | None:
     """
     config = kwargs.get("config")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "num_kv_shared_layers", 0) or getattr(config, "num_kv_shared_layers", 0):
+    if getattr(text, "num_kv_shared_layers", 0):  # (a text config is its own text config)
         kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
 

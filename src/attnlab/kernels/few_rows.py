@@ -98,8 +98,9 @@ def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _plain(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``module(x)`` is ``F.linear`` of plain CPU tensors of matching sizes, and nothing
-    would see how it is computed."""
-    if type(module) is not nn.Linear or "forward" in module.__dict__:  # (replaced: accelerate)
+    would see how it is computed. (For an ``nn.Linear`` and x of 1+ dims, as :func:`linear`
+    has checked.)"""
+    if "forward" in module.__dict__:  # (replaced on the instance: accelerate's hooks)
         return False
     if torch.jit.is_tracing():  # (a trace keeps the ranks and sizes it saw)
         return False
@@ -110,7 +111,7 @@ def _plain(module: nn.Module, x: torch.Tensor) -> bool:
     weight, bias = module.weight, module.bias
     if not all(_plain_tensor(t) for t in (x, weight, bias) if t is not None):
         return False  # (a subclass may override F.linear: torchao's, a __torch_function__'s)
-    if x.dtype != weight.dtype or weight.dim() != 2 or x.dim() < 1 or weight.numel() == 0:
+    if x.dtype != weight.dtype or weight.dim() != 2 or weight.numel() == 0:
         return False  # (nn.Linear's own error, or its answer)
     if x.shape[-1] != weight.shape[1] or (bias is not None and bias.shape != weight.shape[:1]):
         return False
