@@ -96,6 +96,26 @@ def test_tiny_mistral_sliding_window_with_every_cache():
         assert torch.equal(ours.generate(ids, 8, cache=kind), want), kind
 
 
+def test_a_llama_config_with_a_sliding_window_attends_every_key_as_hf():
+    """Hugging Face's Llama never reads config.sliding_window (Mistral's does); attnlab applied
+    it to any config (0.09-0.35 off eager past the window before)."""
+    hf_model = tiny(transformers.LlamaForCausalLM, transformers.LlamaConfig, sliding_window=4)
+    ours = LlamaModel.from_hf(hf_model)
+    assert ours.cfg.sliding_window is None
+    ids = torch.randint(3, 120, (2, 11), generator=torch.Generator().manual_seed(1))
+    check_logits(hf_model, ours, ids, torch.ones_like(ids))
+
+
+def test_position_ids_of_one_row_are_shared_as_hugging_face_passes_them():
+    hf_model = tiny(transformers.LlamaForCausalLM, transformers.LlamaConfig)
+    ours = LlamaModel.from_hf(hf_model)
+    ids = torch.randint(3, 120, (3, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ours(ids, position_ids=torch.arange(7) + 2)
+        got = ours(ids, position_ids=torch.arange(7)[None] + 2)  # (1, L): refused before
+    assert torch.equal(got, want)
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     from attnlab.pretrained import load_model

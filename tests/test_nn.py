@@ -138,9 +138,30 @@ def test_rope_angles_computed_once_equal_position_ids():
         oracle, _ = mha_oracle(layer, x, is_causal=True, positions=np64(p))
         if p.dim() == 1:
             assert_close_to_oracle(want, oracle)
+    # (1, L): Hugging Face's default position_ids, shared by every row; the layer's check
+    # accepted (1, L, E) angles and the rotation refused them before
+    shared = torch.arange(6)[None] + 3
+    angles = rotary_angles(shared, layer.head_dim, layer.rope_base, torch.float64)
+    want = layer(x, position_ids=torch.arange(6) + 3)
+    assert torch.equal(layer(x, rope_angles=angles), want)
+    assert torch.equal(layer(x, position_ids=shared), want)
     layer16, x16 = layer.to(torch.bfloat16), x.to(torch.bfloat16)
     angles = rotary_angles(pos, layer.head_dim, layer.rope_base)  # float32, as the layer's own
     assert torch.equal(layer16(x16, rope_angles=angles), layer16(x16, position_ids=pos))
+
+
+@pytest.mark.parametrize("rope", [0, 0.0, 1, -10000.0, float("nan"), float("inf"), "10000"])
+def test_a_rope_base_that_is_no_base_is_refused(rope):
+    """Before: 0, a negative or a NaN base built a layer whose every output was NaN or inf, and
+    rope=1 (for True) gave base 1.0, every frequency 1; a falsy base skipped the
+    self-attention-only check."""
+    with pytest.raises(ValueError, match=r"rope must be True .* finite number > 1.*got"):
+        MultiHeadAttention(16, 2, rope=rope)
+
+
+def test_a_rope_base_of_any_real_type_is_taken():
+    for rope in (500000, 500000.0, np.float32(500000.0), np.int64(500000)):
+        assert MultiHeadAttention(16, 2, rope=rope).rope_base == 500000.0
 
 
 @pytest.mark.parametrize(

@@ -625,6 +625,11 @@ def test_rotary_with_positions_per_batch_row_keeps_the_inputs_shape():
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-12)
     x4 = x[:, None].expand(2, 3, 5, 8)  # (B, H, L, E): every head at its row's positions
     np.testing.assert_allclose(AF.apply_rotary(x4, pos)[:, 1].numpy(), want, atol=1e-12)
+    # (1, L), Hugging Face's default position_ids, is shared by every row as (L,) is
+    shared = np.stack([R.apply_rotary(x[b].numpy(), pos[0].numpy()) for b in range(2)])
+    np.testing.assert_allclose(R.apply_rotary(x.numpy(), pos[:1].numpy()), shared, atol=1e-12)
+    np.testing.assert_allclose(AF.apply_rotary(x, pos[:1]).numpy(), shared, atol=1e-12)
+    np.testing.assert_allclose(AF.apply_rotary(x4, pos[:1])[:, 2].numpy(), shared, atol=1e-12)
     for bad in (x[:1], x[0]):  # another batch size, or no batch dim at all
         with pytest.raises(ValueError, match=r"positions \(B, L\) = \(2, 5\) need"):
             AF.apply_rotary(bad, pos)

@@ -201,7 +201,8 @@ def apply_rotary(
 
     Args:
         x: (B, H, L, E) queries or keys (E even); (B, L, E) and (L, E) too.
-        positions: (L,) or (B, L) integer positions ((B, L): x has that batch first).
+        positions: (L,) or (B, L) integer positions ((B, L): x has that batch first; (1, L),
+            Hugging Face's default ``position_ids``, is shared by every row as (L,)).
         base: the frequency base (10000 in RoFormer; 1e5 or 5e5 in some models).
         scaling: the frequencies' stretch for a longer context (:class:`RotaryScaling`), or
             None.
@@ -245,12 +246,13 @@ def rotate_qk(
     with them (as Hugging Face's ``position_embeddings``): the same numbers as
     :func:`apply_rotary_qk`, without recomputing ``cos`` and ``sin`` in every layer.
     """
-    if cos.dim() == 3:  # positions per batch row: (B, L, E)
-        if query.dim() not in (3, 4) or query.shape[0] != cos.shape[0]:
+    if cos.dim() == 3:  # positions per batch row: (B, L, E), or (1, L, E) shared
+        if query.dim() not in (3, 4) or cos.shape[0] not in (1, query.shape[0]):
             raise ValueError(
                 f"positions (B, L) = {tuple(cos.shape[:2])} need queries and keys with that "
-                f"batch first, (B, H, L, E) or (B, L, E); got {tuple(query.shape)}. Fix: pass "
-                f"(L,) positions to share them, or one row of positions per batch row."
+                f"batch first (or B = 1, shared), (B, H, L, E) or (B, L, E); got "
+                f"{tuple(query.shape)}. Fix: pass (L,) or (1, L) positions to share them, or one "
+                f"row of positions per batch row."
             )
         if query.dim() == 4:  # (B, L, E) -> (B, 1, L, E): the same positions for every head
             cos, sin = cos[:, None], sin[:, None]

@@ -69,7 +69,8 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, config) -> LlamaConfig:
-        """From a ``transformers`` Llama or Mistral config.
+        """From a ``transformers`` Llama or Mistral config. Only Mistral's model applies
+        ``sliding_window``; a Llama config's is ignored, as by Hugging Face's Llama.
 
         Raises:
             ValueError: a config this architecture does not compute as Hugging Face does
@@ -92,7 +93,10 @@ class LlamaConfig:
                 rope, getattr(config, "max_position_embeddings", None)
             ),
             norm_eps=config.rms_norm_eps,
-            sliding_window=getattr(config, "sliding_window", None),
+            # (Hugging Face's Llama never reads a sliding_window its config may carry)
+            sliding_window=getattr(config, "sliding_window", None)
+            if config.model_type == "mistral"
+            else None,
             tie_embeddings=config.tie_word_embeddings,
         )
 

@@ -15,6 +15,9 @@ multi-query): fewer key/value heads to project and, above all, to cache.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import nn
 
@@ -43,7 +46,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: default for ``forward``: each position attends only to itself and earlier
             positions.
         rope: rotary position embedding of queries and keys (self-attention only): ``True``
-            (base 10000), or a float: the base.
+            (base 10000), or a float: the base, finite and > 1.
         rope_scaling: the rotary frequencies' stretch for a longer context
             (:class:`attnlab.functional.RotaryScaling`: "linear" or Llama 3.1's "llama3"), with
             ``rope``; None (the default) for plain RoPE.
@@ -119,6 +122,13 @@ class MultiHeadAttention(nn.Module):
                 f"rope_scaling={rope_scaling!r}. Fix: e.g. rope=500000.0, rope_scaling="
                 f"RotaryScaling('llama3', 8.0, 1.0, 4.0, 8192)."
             )
+        if not isinstance(rope, bool) and not (
+            isinstance(rope, numbers.Real) and math.isfinite(rope) and rope > 1
+        ):
+            raise ValueError(
+                f"rope must be True (base 10000), False, or a rotary base: a finite number > 1 "
+                f"(theta_i = base^(-2i/E)); got {rope!r}. Fix: rope=True, or e.g. rope=500000.0."
+            )
         if sliding_window is not None and (
             not isinstance(sliding_window, int) or sliding_window < 1
         ):
@@ -138,7 +148,7 @@ class MultiHeadAttention(nn.Module):
         self.out_dropout = nn.Dropout(out_dropout)
 
     def extra_repr(self) -> str:
-        extra = f", rope base {self.rope_base}" if self.rope_base else ""
+        extra = f", rope base {self.rope_base}" if self.rope_base is not None else ""
         extra += f", {self.rope_scaling}" if self.rope_scaling else ""
         extra += f", sliding_window={self.sliding_window}" if self.sliding_window else ""
         return (
@@ -241,7 +251,9 @@ class MultiHeadAttention(nn.Module):
         else:
             k, v = self.project_kv(query if key is None else key, value)
         causal = self.is_causal if is_causal is None else is_causal
-        if not self_attention and (cache is not None or self.rope_base or self.sliding_window):
+        if not self_attention and (
+            cache is not None or self.rope_base is not None or self.sliding_window
+        ):
             raise ValueError(
                 "cache, rope and sliding_window apply to self-attention only; for cross-"
                 "attention, project the source once with project_kv() and pass kv=."

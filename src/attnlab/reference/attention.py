@@ -318,13 +318,13 @@ def rotary_angles(positions, head_dim, base=10000.0, dtype=None, scaling=None):
 
 
 def apply_rotary(x, positions, base=10000.0, scaling=None):
-    # [B, H, L, E] (or [B, L, E], [L, E]), positions [L] or [B, L] -> the shape of x
+    # [B, H, L, E] (or [B, L, E], [L, E]), positions [L], [B, L] or [1, L] -> the shape of x
     # rotate each pair (x_i, x_{i+E/2}) of a token at position m by the angle m * theta_i
     x = _f64(x)
     E = x.shape[-1]
     theta = rotary_frequencies(E, base, scaling)  # [E/2]
     angle = np.asarray(positions, dtype=np.float64)[..., None] * theta  # [..., L, E/2]
-    if angle.ndim == 3 and (x.ndim not in (3, 4) or x.shape[0] != angle.shape[0]):
+    if angle.ndim == 3 and (x.ndim not in (3, 4) or angle.shape[0] not in (1, x.shape[0])):
         raise ValueError(f"positions [B, L] need x of that batch; got x {x.shape}")
     if angle.ndim == 3 and x.ndim == 4:  # [B, L, E/2] -> [B, 1, L, E/2]: every head
         angle = angle[:, None]
