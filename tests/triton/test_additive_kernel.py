@@ -370,6 +370,49 @@ def test_a_nan_weight_makes_a_fully_masked_row_nan_as_the_chunked_path_does(kern
     assert out.isnan().all() and chunked.isnan().all() and np.isnan(oracle).all()
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("which", [3, 4, 5, 6], ids=NAMES[3:])
+@pytest.mark.parametrize(
+    "L,S,alignment", [(40, 4, "bottom_right"), (70, 70, "top_left")], ids=["L>S", "L=S"]
+)
+def test_a_nonfinite_weight_under_causality_gives_the_chunked_paths_rows(
+    L, S, alignment, which, value, kernel_calls
+):
+    """A NaN or inf in W_q, W_k, w or the bias reaches scores causality forbids: a NaN or +inf
+    there makes the row NaN. The causal kernel skipped those tiles, so the rows of query blocks
+    that see no key gave 0 (before: rows 0-31 of 40 with a NaN in w, L > S)."""
+    leaves = [t.float() for t in make((1,), L, S, 3, 3, 2, 5, seed=3)]
+    leaves[which][0] = value
+    out = AF.additive_attention(*leaves[:6], bias=leaves[6], is_causal=alignment)
+    chunked, _ = AF.additive_attention(
+        *leaves[:6], bias=leaves[6], is_causal=alignment, return_weights=True
+    )
+    assert len(kernel_calls) == 1
+    assert torch.equal(out.isnan(), chunked.isnan())
+    torch.testing.assert_close(out.nan_to_num(7.0), chunked.nan_to_num(7.0))
+    if value != value or which == 5:  # (a NaN anywhere, or an inf in w: every row)
+        assert out.isnan().all()
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_under_autocast_the_kernel_takes_float32_projections(bias, kernel_calls):
+    """Autocast's bf16 projections reached the kernel, documented to take float32: without a
+    bias the forward refused them (tl.exp2 of bf16), with one the backward's db accumulator
+    was bf16 (atomic_add refused it in the interpreter)."""
+    from attnlab.nn import AdditiveAttention
+
+    torch.manual_seed(0)
+    layer = AdditiveAttention(16, 12, 8, bias=bias)
+    q, enc = torch.randn(2, 5, 16), torch.randn(2, 20, 12)
+    want = layer(q, enc)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(q, enc)
+    out.float().sum().backward()
+    assert len(kernel_calls) == 2  # (the float32 call and the autocast one)
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in layer.parameters())
+    torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=0)
+
+
 def test_bf16_gradients_stay_within_twice_the_naive_formulas_error():
     """The backward's row term D = rowsum(dO * O) came from the bf16-rounded output: a bias in
     every dS that the tanh chain sums over A (query gradients 3.5x the naive bf16 formula's

@@ -247,12 +247,17 @@ def _scores(query, key, w_query, w_key, w_score, bias) -> torch.Tensor:
 
 
 def _projections(query, key, w_query, w_key, bias, dtype):
-    """a = W_q q + bias (..., L, A) and b = W_k k (..., S, A), in ``dtype``."""
+    """a = W_q q + bias (..., L, A) and b = W_k k (..., S, A), in ``dtype``.
+
+    Under ``torch.autocast`` the products run in its 16-bit dtype, as autocast asks; their
+    results are cast back to ``dtype``, so that the tanh, the scores and the backward's sums
+    over row blocks stay in ``dtype`` (a 16-bit ``db`` rounded at every block).
+    """
     a = query.to(dtype) if w_query is None else query.to(dtype) @ w_query.to(dtype).T  # (.., L, A)
     if bias is not None:
         a = a + bias.to(dtype)
     b = key.to(dtype) if w_key is None else key.to(dtype) @ w_key.to(dtype).T  # (..., S, A)
-    return a, b
+    return a.to(dtype), b.to(dtype)
 
 
 def _check_additive_shapes(query, key, w_query, w_key, w_score, bias) -> None:

@@ -21,7 +21,14 @@ import math
 
 import torch
 
-from attnlab._checks import causal_alignment, check_floating, check_mask, check_qkv, check_scale
+from attnlab._checks import (
+    autocast_inputs,
+    causal_alignment,
+    check_floating,
+    check_mask,
+    check_qkv,
+    check_scale,
+)
 from attnlab.functional._layout import (
     as_4d,
     grouped_scores,
@@ -142,6 +149,7 @@ def hard_attention(
         Reparameterization with Gumbel-Softmax", 2017.
         Oracle: :func:`attnlab.reference.hard_attention`.
     """
+    query, key, value = autocast_inputs(query, key, value)  # (as scaled_dot_product_attention)
     check_qkv(query, key, value)
     L, S = query.shape[-2], key.shape[-2]
     alignment = causal_alignment(is_causal, L, S)

@@ -88,6 +88,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from attnlab._checks import broadcast_shapes
+from attnlab.functional.nonfinite import is_finite_assumed
 from attnlab.kernels import _triton
 from attnlab.kernels.triton_attention import _program, _row_stats, _store_row_stats
 
@@ -258,7 +259,7 @@ def _visible(
 
 @triton.jit
 def _fwd_kernel(
-    AT, BT, W, V, M, O, LSE, SC,
+    AT, BT, W, V, M, O, LSE, SC, SKIP,
     L, S, A, DV, offset,
     svn, svs, svd, smn, sml, sms,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
@@ -277,7 +278,9 @@ def _fwd_kernel(
     acc = tl.zeros((BLOCK_L, BLOCK_DV), dtype=tl.float32)  # running sum of exp(s - m_i) v_j
     hi = S
     if CAUSAL:  # the block's last row sees keys up to i0 + BLOCK_L - 1 + offset
-        hi = tl.maximum(0, tl.minimum(S, i0 + BLOCK_L + offset))
+        # (SKIP 0: a, b or w holds a NaN or inf, which may put a NaN or +inf score where
+        # causality forbids its key: every tile is visited, so that the row turns NaN)
+        hi = tl.where(tl.load(SKIP) != 0, tl.maximum(0, tl.minimum(S, i0 + BLOCK_L + offset)), S)
     for j0 in range(0, hi, BLOCK_S):
         cols = j0 + tl.arange(0, BLOCK_S)
         s = _score_tile(a_ptr, b_ptr, W, rows, cols, L, S, A, BLOCK_L, BLOCK_S, HW)
@@ -311,7 +314,7 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_kernel(
-    AT, BT, W, V, M, DO, LSE, DELTA, DAT, DBT, DWP, DV32, SC,
+    AT, BT, W, V, M, DO, LSE, DELTA, DAT, DBT, DWP, DV32, SC, SKIP,
     L, S, A, DV, offset,
     svn, svs, svd, smn, sml, sms,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
@@ -329,8 +332,8 @@ def _bwd_kernel(
     v_ptr, m_ptr = V + n * svn, M + n * smn
 
     first = 0
-    if CAUSAL:  # rows before j0 - offset see none of these keys
-        first = tl.maximum(0, j0 - offset) // BLOCK_L
+    if CAUSAL:  # rows before j0 - offset see none of these keys (SKIP: as the forward)
+        first = tl.where(tl.load(SKIP) != 0, tl.maximum(0, j0 - offset) // BLOCK_L, 0)
     count = tl.cdiv(L, BLOCK_L) - first
     for it in range(0, count):
         i0 = (first + (it + pid_s) % count) * BLOCK_L  # rotated start: fewer colliding atomics
@@ -448,16 +451,17 @@ class _AdditiveAttention(torch.autograd.Function):
             MASK=kind, CAUSAL=alignment is not None, HW=hardware_tanh(value.dtype),
             **products(value.dtype),
         )  # fmt: skip
+        skip = _causal_skip(a, b, w) if alignment is not None else stats
         blk = tiling.forward
         with _triton.on_device(value):
             _fwd_kernel[(triton.cdiv(L, blk.rows) * N,)](
-                at, bt, w, value, m, out, stats, stats if scores is None else scores,
+                at, bt, w, value, m, out, stats, stats if scores is None else scores, skip,
                 L, S, A, DV, _offset(alignment, L, S),
                 *value.stride(), *m_strides,
                 **meta, STORE=keep, BLOCK_L=blk.rows, BLOCK_S=blk.keys,
                 BLOCK_DV=max(16, triton.next_power_of_2(DV)), num_warps=blk.warps,
             )  # fmt: skip
-        ctx.save_for_backward(at, bt, w, value, m, out, stats, scores)
+        ctx.save_for_backward(at, bt, w, value, m, out, stats, scores, skip)
         ctx.meta, ctx.tiling = meta, tiling
         ctx.m_strides, ctx.offset = m_strides, _offset(alignment, L, S)
         return out.to(value.dtype)
@@ -465,7 +469,7 @@ class _AdditiveAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        at, bt, w, value, m, out, stats, scores = ctx.saved_tensors
+        at, bt, w, value, m, out, stats, scores, skip = ctx.saved_tensors
         N, A, L = at.shape
         S, DV = bt.shape[2], value.shape[2]
         grad_out = grad_out.contiguous()
@@ -478,7 +482,7 @@ class _AdditiveAttention(torch.autograd.Function):
         with _triton.on_device(value):
             _bwd_kernel[(key_blocks * N,)](
                 at, bt, w, value, m, grad_out, stats, delta, dat, dbt, dw_parts, dvalue,
-                stats if scores is None else scores,
+                stats if scores is None else scores, skip,
                 L, S, A, DV, ctx.offset,
                 *value.stride(), *ctx.m_strides,
                 **ctx.meta, STORED=scores is not None, BLOCK_L=blk.rows, BLOCK_S=blk.keys,
@@ -488,6 +492,18 @@ class _AdditiveAttention(torch.autograd.Function):
         da = dat.transpose(1, 2)  # (N, A, L) -> (N, L, A)
         db = dbt.transpose(1, 2)  # (N, A, S) -> (N, S, A)
         return da, db, dw_parts.sum((0, 1)), dvalue.to(value.dtype), None, None, None, None
+
+
+def _causal_skip(a, b, w) -> torch.Tensor:
+    """A one-element int32 flag on the device, 1 where the causal kernels may skip the tiles
+    causality forbids: a, b and w hold no NaN and no inf (their sum is finite; a sum that
+    overflows only costs the skip). Else a forbidden key's score may be NaN or +inf, which
+    makes its row NaN (the NaN rule; a NaN in W_q, W_k, the bias or w reaches every score),
+    and a skipped tile would miss it. No host synchronisation: the kernels read the flag."""
+    if is_finite_assumed():  # (the caller promised finite inputs: skip)
+        return torch.ones(1, dtype=torch.int32, device=a.device)
+    total = a.sum(dtype=torch.float32) + b.sum(dtype=torch.float32) + w.sum(dtype=torch.float32)
+    return torch.isfinite(total).to(torch.int32).reshape(1)
 
 
 def additive_attention(
