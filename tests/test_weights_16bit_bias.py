@@ -56,3 +56,29 @@ def test_a_bias_at_the_dtypes_limit_keeps_the_scores(dtype, L, average):
     got_out = out_avg if average else out
     error = np.abs(got_out.double().numpy() - want_out).max()
     assert error <= max(2 * control, 4 * eps * np.abs(want_out).max()), (error, control)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("L", [3, 24])
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("average", [False, True])
+def test_a_causal_rows_max_is_over_the_keys_it_may_attend(dtype, L, alignment, average):
+    """is_causal with a bias that grows on future keys (ALiBi's slope * j): each row was shifted
+    by its max over every key, hidden ones too, so its visible scores were far from 0 when
+    rounded to 16 bits (weights 30x the error of the same triangle given as -inf)."""
+    g = torch.Generator().manual_seed(1)
+    S = 24
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).to(dtype) for n in (L, S, S))
+    bias = (0.5 * torch.arange(S, dtype=torch.float32)).expand(L, S).to(dtype)
+    offset = S - L if alignment == "bottom_right" else 0
+    triangle = torch.ones(L, S, dtype=torch.bool).tril(offset)
+    with torch.no_grad():
+        got = AF.scaled_dot_product_attention(
+            q, k, v, bias, is_causal=alignment, return_weights="average" if average else True
+        )
+        same = AF.scaled_dot_product_attention(
+            q, k, v, bias.masked_fill(~triangle, -torch.inf),
+            return_weights="average" if average else True,
+        )  # fmt: skip
+    for x, y in zip(got, same, strict=True):  # (the same function: the same numbers)
+        torch.testing.assert_close(x, y, rtol=0, atol=0)

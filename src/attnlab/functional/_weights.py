@@ -127,6 +127,9 @@ def _mask_(w, keep, causal):
         # (softmax is unchanged by a row's shift), so that a bias near the dtype's limit (a
         # float16 mask row of -65504) does not absorb the scores, as it would added in 16 bits
         t = w.float().add_(keep)
+        if causal is not None:  # (first: the max is over the keys a row may attend)
+            t.masked_fill_(~causal, -inf)
+            causal = None
         top = t.amax(-1, keepdim=True)
         w.copy_(t.sub_(top.masked_fill_(~top.isfinite(), 0.0)))  # (dead and NaN rows as they are)
         keep = None
