@@ -437,3 +437,14 @@ def test_bfloat16_with_odd_head_dims_multiplies_in_float32():
     want = _eager(*(t.double() for t in (q, k, v)), None, None, 15**-0.5, 0.0)[0]
     fine = ~want.isnan()
     torch.testing.assert_close(out.double()[fine], want[fine], rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("L", [256, 257])
+def test_a_blocks_scores_stay_within_block_bytes_for_a_long_s(L):
+    """At L <= BLOCK_ROWS the C++ kernel's blocks took all L rows whatever S: 256 rows x 200k
+    keys grew the peak by 400 MiB, where L = 257 took 2 rows (13 MiB)."""
+    S = 200_000
+    q, kv = torch.zeros(1, 1, L, 4), torch.zeros(1, 1, S, 4)
+    plan = cf._Plan(q, kv, kv, None, None, 1.0, 0.1, 0)
+    rows = plan.native_args(brgemm=False)[4]
+    assert rows >= 1 and rows * S * 4 <= cf.BLOCK_BYTES

@@ -750,3 +750,28 @@ def test_sizes_take_numpy_integers_and_refuse_bools():
     assert (layer.d_model, layer.num_heads, layer.num_kv_heads) == (16, 4, 2)
     assert type(layer.num_heads) is int
     assert StaticCache(np.int64(8)).max_length == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_bias_with_16bit_inputs_is_not_rounded_by_the_fused_path(dtype):
+    """The fused path cast a float32 mask to the inputs' dtype: an ALiBi bias up to 255 moved by
+    up to 0.5 in bfloat16 (output 0.73 off float64, where the blocked and eager paths, which add
+    it in float32, are 0.008 off), so the answer changed with grad mode and the measured kernel
+    choice. Now every path is within twice the float32-computing control."""
+    g = torch.Generator().manual_seed(0)
+    L = S = 256
+    q, k, v = (torch.randn(1, 2, L, 32, generator=g).to(dtype) for _ in range(3))
+    bias = 0.5 * torch.arange(S, dtype=torch.float32).expand(L, S) + torch.rand(L, S, generator=g)
+    want, _ = R.scaled_dot_product_attention(
+        *(np64(t) for t in (q, k, v, bias)), is_causal=True, return_weights=True
+    )
+    with torch.no_grad():
+        assert AF.explain(q, k, v, bias, is_causal=True).path == "fused"
+        got = AF.scaled_dot_product_attention(q, k, v, bias, is_causal=True)
+        eager = AF.scaled_dot_product_attention(q, k, v, bias, is_causal=True, return_weights=True)
+    control = np.abs(eager[0].double().numpy() - want).max()  # the weights path: float32 bias
+    error = np.abs(got.double().numpy() - want).max()
+    assert error <= max(2 * control, 4 * torch.finfo(dtype).eps * np.abs(want).max()), (
+        error,
+        control,
+    )

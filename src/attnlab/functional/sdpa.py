@@ -326,6 +326,12 @@ def _choose(
     reasons = ["torch F.scaled_dot_product_attention"]
     if measured:
         reasons.append(measured)
+    if _bias_wider(query, attn_mask):
+        eps = torch.finfo(query.dtype).eps
+        reasons.append(
+            f"a {attn_mask.dtype} mask with {query.dtype} inputs: computed in float32 (the "
+            f"bias rounded to {query.dtype} would move by up to |bias| * {eps / 2:g})"
+        )
     H, Hkv = query.shape[1], key.shape[1]
     if Hkv != H and query.is_cpu and _trains_16bit(query, key, value):
         reasons.append(
@@ -718,10 +724,23 @@ def _fold_applies(q, k, mask, alignment, scale, dropout_p) -> bool:
     return mask is None or all(mask.shape[d] == 1 for d in (-2, -3) if mask.dim() >= -d)
 
 
+def _bias_wider(q, mask) -> bool:
+    """Whether ``mask`` is a float32/float64 bias for 16-bit inputs (the fused call computes in
+    float32 then: see :func:`_fused`)."""
+    dtype = getattr(mask, "dtype", None)  # (a structured mask is bool)
+    return dtype in (torch.float32, torch.float64) and q.dtype in (torch.bfloat16, torch.float16)
+
+
 def _fused(q, k, v, mask, alignment, scale, dropout_p):
     """torch's fused kernel, with attnlab's mask and causal semantics. ``scale`` None is
     torch's default, ``1 / sqrt(E)`` computed in double as attnlab's other paths do (passing
     the number instead costs torch ~0.5 us more a call at tiny shapes, measured)."""
+    if _bias_wider(q, mask):
+        # a float32 bias with 16-bit inputs: rounded to their dtype it would move by up to
+        # |bias| 2^-8 (bfloat16: 1 at an ALiBi bias of 255: output errors 100x the other paths',
+        # which add it in float32); torch's kernel takes a mask of the inputs' dtype only
+        out = _fused(q.float(), k.float(), v.float(), mask.float(), alignment, scale, dropout_p)
+        return out.to(q.dtype)
     torch_causal = False
     if alignment is not None:
         L, S = q.shape[-2], k.shape[-2]

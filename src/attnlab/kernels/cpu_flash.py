@@ -391,8 +391,9 @@ class _Plan:
                 mask = mask.float()  # (the bias in its own, small, shape)
             mask = mask.expand(self.B, self.Hkv, self.G, self.L, self.S)
         rows = self.rows
-        if rows != self.L:
-            rows = max(1, min(self.L, BLOCK_ROWS, BLOCK_BYTES // (self.G * self.S * 4)))
+        if not (self.mm_dtype == torch.bfloat16 and rows == self.L):  # (16-bit: one block)
+            # (L <= BLOCK_ROWS too: a long S took all L rows, 400 MiB at L = 256, S = 200k)
+            rows = max(1, min(self.L, BLOCK_ROWS, BLOCK_BYTES // max(1, self.G * self.S * 4)))
         threads = cpu_flash_native.threads()
         groups = 1  # (batch row, kv head) groups per block: short sequences take several, in
         brgemm = self.brgemm() if brgemm is None else brgemm
