@@ -802,3 +802,21 @@ def test_the_oracle_refuses_what_its_torch_twins_refuse():
         with pytest.raises(error, match=message):
             call()
     assert R.padding_mask(np.array([2, 0]), 3).ravel().tolist() == [1, 1, 0, 0, 0, 0]
+
+
+def test_empty_batches_and_heads_and_zero_width_scores():
+    """B = 0 with 3-D inputs read B as heads and divided by zero (a review's find), H = 0 too;
+    the oracle's scores refused E = 0 (an infinite default scale) that its attention takes."""
+    q, k, v = torch.randn(0, 5, 3), torch.randn(0, 4, 3), torch.randn(0, 4, 2)
+    w_q, w_k, w = torch.randn(6, 3), torch.randn(6, 3), torch.randn(6)
+    assert AF.attention(torch.randn(0, 5, 4), v).shape == (0, 5, 2)
+    assert AF.additive_attention(q, k, v, w_q, w_k, w).shape == (0, 5, 2)
+    h0 = AF.additive_attention(
+        torch.randn(2, 0, 5, 3), torch.randn(2, 0, 4, 3), torch.randn(2, 0, 4, 2), w_q, w_k, w
+    )
+    assert h0.shape == (2, 0, 5, 2)
+    q0, k0 = np.ones((2, 3, 0)), np.ones((2, 4, 0))
+    np.testing.assert_array_equal(R.scaled_dot_product_scores(q0, k0), np.zeros((2, 3, 4)))
+    torch.testing.assert_close(
+        AF.scaled_dot_product_scores(torch.ones(2, 3, 0), torch.ones(2, 4, 0)), torch.zeros(2, 3, 4)
+    )

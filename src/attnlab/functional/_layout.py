@@ -85,7 +85,8 @@ def grouped_weighted_sum(weights: torch.Tensor, value: torch.Tensor) -> torch.Te
     """
     B, H, L, S = weights.shape
     Hkv, Ev = value.shape[1], value.shape[3]
-    w = weights.reshape(B, Hkv, (H // Hkv) * L, S)  # (B, H, L, S) -> (B, Hkv, G*L, S)
+    G = H // Hkv if Hkv else 1  # (no heads at all: nothing to group)
+    w = weights.reshape(B, Hkv, G * L, S)  # (B, H, L, S) -> (B, Hkv, G*L, S)
     return (w @ value).view(B, H, L, Ev)  # (B, Hkv, G*L, Ev) -> (B, H, L, Ev)
 
 

@@ -121,7 +121,8 @@ def attention(
     if scores.dim() > 4:  # (..., B, H, L, S): the leading dims flattened into B, as torch SDPA
         return _attention_flat(scores, value, attn_mask, dropout_p, return_weights)
     if scores.dim() == 4 and (
-        value.shape[0] != scores.shape[0] or scores.shape[1] % value.shape[1] != 0
+        value.shape[0] != scores.shape[0]
+        or (scores.shape[1] % value.shape[1] if value.shape[1] else scores.shape[1]) != 0
     ):
         raise ValueError(
             f"value (B, Hkv, S, Ev) must have the scores' batch size and Hkv dividing H: got "

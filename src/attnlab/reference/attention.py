@@ -96,7 +96,8 @@ def dot_product_scores(query, key):
 def scaled_dot_product_scores(query, key, scale=None):
     # s_ij = q_i . k_j / sqrt(E): keeps the scores' variance at 1 when q, k have unit variance
     if scale is None:
-        scale = 1.0 / np.sqrt(np.shape(query)[-1])
+        E = np.shape(query)[-1]
+        scale = 1.0 / np.sqrt(E) if E else 1.0  # E = 0: every score is 0 whatever the scale
     if not np.isfinite(scale):
         raise ValueError(f"scale must be a finite number; got {scale!r}")
     return dot_product_scores(query, key) * scale
@@ -174,8 +175,6 @@ def scaled_dot_product_attention(
     # softmax(Q K^T * scale + M) V, query head h reading kv head h // (H // Hkv)
     # return_weights: True -> weights [..., H, L, S]; "average" -> mean over heads [B, L, S]
     # weights_out: an array the weights are written into (and which is returned)
-    if scale is None and np.shape(query)[-1] == 0:
-        scale = 1.0  # E = 0: every score is 0 whatever the scale
     scores = scaled_dot_product_scores(query, key, scale)
     mask = _causal(attn_mask, is_causal, scores.shape[-2], scores.shape[-1])
     out, weights = attention(scores, value, mask, dropout_p=dropout_p, return_weights=True)
@@ -273,8 +272,6 @@ def hard_attention(
     return_weights=False,
 ):
     # [..., H, L, E], [..., Hkv, S, E], [..., Hkv, S, Ev] -> [..., H, L, Ev]
-    if scale is None and np.shape(query)[-1] == 0:
-        scale = 1.0  # E = 0: every score is 0 whatever the scale
     scores = scaled_dot_product_scores(query, key, scale)
     mask = _causal(attn_mask, is_causal, scores.shape[-2], scores.shape[-1])
     weights = hard_attention_weights(
