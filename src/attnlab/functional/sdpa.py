@@ -453,11 +453,16 @@ def scaled_dot_product_attention(
         scale: multiplier of the scores; ``1/sqrt(E)`` by default. ``scale=1.0`` gives plain
             dot-product attention.
         dropout_p: probability of zeroing an attention weight (survivors are scaled by
-            1 / (1 - p)). Applied whenever > 0: pass 0 at evaluation time.
+            1 / (1 - p); on attnlab's CPU kernel by 1 / rho, rho the exact keep rate of its
+            draws, 1 - p rounded to 2^-16). Applied whenever > 0: pass 0 at evaluation time.
+            Reproducible under ``torch.manual_seed`` for one path; the paths draw different
+            masks (torch's kernel, attnlab's C++ kernel, its torch-ops twin under
+            ``torch.func``), so the same seed through another path drops other weights.
         return_weights: also return the attention weights: ``True`` per head (B, H, L, S),
             ``"average"`` averaged over the heads (B, L, S). With dropout they are the dropped
-            weights that produced the output. Under ``torch.no_grad()`` they are computed at
-            bounded extra memory while the output keeps the fused kernel (see :func:`explain`).
+            weights that produced the output. Under ``torch.no_grad()`` the output and the
+            weights are computed together in blocks, at bounded extra memory (see
+            :func:`explain`).
         weights_out: a contiguous tensor of the returned weights' shape and the inputs' dtype
             and device, into which the weights are written (and which is returned): reuse one
             across calls to spare the page faults of a fresh (B, H, L, S) result. Inference
