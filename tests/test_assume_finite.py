@@ -208,3 +208,11 @@ def test_a_compiled_graph_follows_the_mode():
     norms = ["linalg_vector_norm" in str(gm.code) for gm in graphs.graphs]
     assert norms == [True, False]  # two graphs: the row check in the first only
     torch._dynamo.reset()
+
+
+def test_kv_finite_must_be_bool():
+    """A uint8 kv_finite (1 = finite) read as ~x in int8 (-2, -1) turned the NaN rule off on the
+    Triton path; it is refused, with the fix."""
+    q, k, v = (torch.randn(1, 2, 3, 4) for _ in range(3))
+    with pytest.raises(ValueError, match=r"kv_finite must be \(B, Hkv\) = \(1, 2\) bool.*uint8"):
+        attention_with(q, k, v, kv_finite=torch.tensor([[1, 0]], dtype=torch.uint8))

@@ -146,6 +146,14 @@ def test_structure_carried_by_masks_describes_the_same_mask():
             d = torch.arange(S)[None, :] - (torch.arange(L)[:, None] + offset)
             assert torch.equal(m.as_subclass(torch.Tensor), (d >= lo) & (d <= hi))
     assert not hasattr(masks.and_masks(pad, pad), "key_range")  # operations drop it
+    # uint8 lengths with S beyond 255: left padding's S - length wrapped (a RuntimeError)
+    left = masks.padding_mask(torch.tensor([5, 200], dtype=torch.uint8), 300, side="left")
+    assert left.sum((1, 2, 3)).tolist() == [5, 200] and left[1, 0, 0, 100:].all()
+    # lengths of any integer type give a band of Python ints (a numpy or 0-d tensor length
+    # reached the Triton kernels' arguments and crashed them)
+    for L, S in ((np.int64(4), np.int64(7)), (torch.tensor(4), torch.tensor(7))):
+        band = masks.sliding_window_mask(L, S, window=3, alignment="bottom_right").band
+        assert band == (3, -2, 0) and all(type(x) is int for x in band)
 
 
 def test_explain_says_why_the_triton_kernels_do_not_serve_cpu_tensors():

@@ -326,8 +326,11 @@ def sliding_window_mask(
     mask = Mask(keep)
     # the structure, for kernels that skip blocks outside the band: key j may be attended by
     # query i iff lo <= j - (i + offset) <= hi
-    # (query 0's position, from the lengths: reading q_pos would stop torch.export)
-    offset = key_length - query_length if alignment == "bottom_right" and key_length else 0
+    # (query 0's position, from the sizes -- Python ints, whatever integer type the lengths
+    # came as (a numpy or 0-d tensor one crashed the Triton kernels) -- not from q_pos's
+    # values: reading them would stop torch.export)
+    L, S = keep.shape
+    offset = S - L if alignment == "bottom_right" and S else 0
     _remember(mask, band=(offset, -(window - 1), 0 if causal else window - 1))
     return mask
 
@@ -342,7 +345,7 @@ def _int_lengths(lengths, device, what: str) -> torch.Tensor:
             else f"{tuple(lengths.shape)} {lengths.dtype}"
         )
         raise ValueError(f"lengths must be a 1-D sequence of ints {what}, at least one; got {got}.")
-    return lengths
+    return lengths.long()  # (uint8/int8 lengths: S - length would wrap or overflow)
 
 
 def padding_mask(

@@ -580,10 +580,13 @@ def attention_with(
     query, q, k, v, mask, restore, alignment, structure, scale, dropout_p = _prepared(
         query, key, value, attn_mask, is_causal, scale, dropout_p, return_weights
     )
-    if kv_finite is not None and (key.dim() != 4 or kv_finite.shape != k.shape[:2]):
+    if kv_finite is not None and (
+        key.dim() != 4 or kv_finite.shape != k.shape[:2] or kv_finite.dtype != torch.bool
+    ):
         raise ValueError(
             f"kv_finite must be (B, Hkv) = {tuple(k.shape[:2])} bool for 4-D key/value; got "
-            f"{tuple(kv_finite.shape)} for key {tuple(key.shape)}."
+            f"{tuple(kv_finite.shape)} {kv_finite.dtype} for key {tuple(key.shape)}. Fix: "
+            f"kv_finite.bool(), or a cache's kv_finite()."
         )
     buffer = None  # the caller's weights_out, as a (B, H or 1, L, S) view
     if weights_out is not None:
