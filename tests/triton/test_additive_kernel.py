@@ -483,7 +483,7 @@ def test_scores_are_kept_in_training_within_the_budget_only(monkeypatch):
     launch = triton_additive._AdditiveAttention.apply
 
     def spy(*args):
-        kept.append(args[-1])
+        kept.append(args[-2])  # (keep_scores, then finite)
         return launch(*args)
 
     monkeypatch.setattr(triton_additive._AdditiveAttention, "apply", spy)

@@ -44,7 +44,7 @@ from attnlab._checks import (
 )
 from attnlab.functional import _transforms
 from attnlab.functional._layout import with_causal
-from attnlab.functional.nonfinite import propagate_nonfinite
+from attnlab.functional.nonfinite import is_finite_assumed, propagate_nonfinite
 from attnlab.functional.sdpa import Dispatch, _exporting
 from attnlab.functional.softmax import LOW_PRECISION, attention
 from attnlab.kernels import _triton
@@ -554,5 +554,7 @@ def _fused(query, key, value, w_query, w_key, w_score, attn_mask, bias, lead, al
     v = value.expand(*lead, S, Dv).reshape(N, S, Dv)  # (..., S, Dv) -> (N, S, Dv)
     if attn_mask is not None:  # (..., L, S) -> (N, L, S), a view when the dims merge
         attn_mask = plain(attn_mask).expand(*lead, L, S).reshape(N, L, S)
-    out = triton_additive.additive_attention(a, b, w_score.float(), v, attn_mask, alignment)
+    out = triton_additive.additive_attention(
+        a, b, w_score.float(), v, attn_mask, alignment, finite=is_finite_assumed()
+    )
     return out.view(*lead, L, Dv)

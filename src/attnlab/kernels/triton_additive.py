@@ -88,7 +88,6 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from attnlab._checks import broadcast_shapes
-from attnlab.functional.nonfinite import is_finite_assumed
 from attnlab.kernels import _triton
 from attnlab.kernels.triton_attention import _program, _row_stats, _store_row_stats
 
@@ -431,7 +430,7 @@ def products(dtype: torch.dtype) -> dict:
 
 class _AdditiveAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, w, value, mask, alignment, tiling, keep):
+    def forward(ctx, a, b, w, value, mask, alignment, tiling, keep, finite):
         N, L, A = a.shape
         S, DV = b.shape[1], value.shape[2]
         at = (a * TWO_LOG2E).transpose(1, 2).contiguous()  # (N, L, A) -> (N, A, L), pre-scaled
@@ -451,7 +450,7 @@ class _AdditiveAttention(torch.autograd.Function):
             MASK=kind, CAUSAL=alignment is not None, HW=hardware_tanh(value.dtype),
             **products(value.dtype),
         )  # fmt: skip
-        skip = _causal_skip(a, b, w) if alignment is not None else stats
+        skip = _causal_skip(a, b, w, finite) if alignment is not None else stats
         blk = tiling.forward
         with _triton.on_device(value):
             _fwd_kernel[(triton.cdiv(L, blk.rows) * N,)](
@@ -491,16 +490,17 @@ class _AdditiveAttention(torch.autograd.Function):
             )  # fmt: skip
         da = dat.transpose(1, 2)  # (N, A, L) -> (N, L, A)
         db = dbt.transpose(1, 2)  # (N, A, S) -> (N, S, A)
-        return da, db, dw_parts.sum((0, 1)), dvalue.to(value.dtype), None, None, None, None
+        return da, db, dw_parts.sum((0, 1)), dvalue.to(value.dtype), None, None, None, None, None
 
 
-def _causal_skip(a, b, w) -> torch.Tensor:
+def _causal_skip(a, b, w, finite: bool) -> torch.Tensor:
     """A one-element int32 flag on the device, 1 where the causal kernels may skip the tiles
     causality forbids: a, b and w hold no NaN and no inf (their sum is finite; a sum that
-    overflows only costs the skip). Else a forbidden key's score may be NaN or +inf, which
-    makes its row NaN (the NaN rule; a NaN in W_q, W_k, the bias or w reaches every score),
-    and a skipped tile would miss it. No host synchronisation: the kernels read the flag."""
-    if is_finite_assumed():  # (the caller promised finite inputs: skip)
+    overflows only costs the skip), or the caller says so (``finite``). Else a forbidden key's
+    score may be NaN or +inf, which makes its row NaN (the NaN rule; a NaN in W_q, W_k, the
+    bias or w reaches every score), and a skipped tile would miss it. No host
+    synchronisation: the kernels read the flag."""
+    if finite:
         return torch.ones(1, dtype=torch.int32, device=a.device)
     total = a.sum(dtype=torch.float32) + b.sum(dtype=torch.float32) + w.sum(dtype=torch.float32)
     return torch.isfinite(total).to(torch.int32).reshape(1)
@@ -515,6 +515,7 @@ def additive_attention(
     alignment: str | None = None,
     tiling: Tiling | None = None,
     keep_scores: bool | None = None,
+    finite: bool = False,
 ) -> torch.Tensor:
     """softmax(w . tanh(a_i + b_j) + M) V, fused: (N,L,A), (N,S,A), (A,), (N,S,Dv) -> (N,L,Dv).
 
@@ -529,6 +530,8 @@ def additive_attention(
         tiling: tile sizes; :func:`tiling_for` Dv by default.
         keep_scores: keep the (N, L, S) float32 scores for the backward (saving it one of its
             two tanh passes) or recompute them there; :func:`keeps_scores` by default.
+        finite: the caller vouches that a, b and w hold no NaN and no inf (``assume_finite``):
+            the causal kernels skip the tiles causality forbids without asking.
 
     Differentiable in ``a``, ``b``, ``w`` and ``value``. Call :func:`supports` first.
     """
@@ -537,8 +540,9 @@ def additive_attention(
     if keep_scores is None:
         keep_scores = keeps_scores(N, L, S, (a, b, w, value))
     return _AdditiveAttention.apply(
-        a.contiguous(), b.contiguous(), w, value.contiguous(), mask, alignment, tiling, keep_scores
-    )
+        a.contiguous(), b.contiguous(), w, value.contiguous(), mask, alignment, tiling,
+        keep_scores, finite,
+    )  # fmt: skip
 
 
 def keeps_scores(N: int, L: int, S: int, leaves) -> bool:
