@@ -52,6 +52,17 @@ def pytest_collection_modifyitems(config, items):
     items[:] = items[index::count]
 
 
+def check_under_cpu_autocast(layer, *inputs) -> None:
+    """``layer(*inputs)`` under bf16 CPU autocast trains (finite gradients for every
+    parameter) and stays within bf16 rounding of the float32 call (3e-2 at unit scale)."""
+    want = layer(*inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(*inputs)
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in layer.parameters())
+    torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=0)
+
+
 def np64(t):
     """A tensor (or None) as a float64/bool NumPy array for the oracle."""
     if t is None:

@@ -18,6 +18,7 @@ from torch.func import functional_call, grad, jvp, stack_module_state, vmap
 import attnlab.functional as AF
 from attnlab import masks
 from attnlab.nn import MultiHeadAttention
+from conftest import check_under_cpu_autocast
 
 N = 3  # the vmapped dim
 F64 = torch.float64
@@ -346,13 +347,7 @@ def test_additive_layers_without_a_bias_run_under_cpu_autocast(kind):
         layer = LuongAttention(16, 12, "concat", attn_dim=8)
     else:
         layer = AdditiveAttention(16, 12, 8, bias=False)
-    q, enc = torch.randn(2, 5, 16), torch.randn(2, 20, 12)
-    want = layer(q, enc)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = layer(q, enc)
-    out.float().sum().backward()
-    assert all(p.grad is not None and p.grad.isfinite().all() for p in layer.parameters())
-    torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=0)
+    check_under_cpu_autocast(layer, torch.randn(2, 5, 16), torch.randn(2, 20, 12))
 
 
 def test_additive_key_gradients_under_autocast_do_not_round_at_every_row_block(monkeypatch):
