@@ -32,6 +32,7 @@ from attnlab.viz import (  # noqa: E402
     trace_translation,
     word_distances,
 )
+from attnlab.viz._mpl import SAVE_DPI  # noqa: E402
 from attnlab.viz.explorer import explorer_data, quantize_rows  # noqa: E402
 from attnlab.viz.movement import MAX_PULL_WIDTH  # noqa: E402
 
@@ -147,6 +148,62 @@ def test_grid_averages_long_maps_down_keeping_the_mass():
     # of 4 weight rows (4 x 1) divided by 16 cells per block
     np.testing.assert_allclose(block.sum(1), 4 / 16, rtol=1e-9)
     assert "averaged down from 200 x 200" in fig._suptitle.get_text()
+
+
+@pytest.mark.parametrize("heads,length", [(12, 96), (16, 90), (4, 200), (2, 30)])
+def test_every_grid_cell_gets_a_pixel_in_the_saved_figure(heads, length, tmp_path):
+    """Drawn "nearest" into fewer pixels than cells, the grid dropped whole key columns: 6 x 12
+    heads of 96 tokens, each with all its weight on one key, showed 5-10 heads attending to
+    nothing. Now every cell spans at least a pixel, and no head's panel is all dark."""
+    from matplotlib.image import imread
+
+    from attnlab.viz import save_figure
+
+    rng = np.random.default_rng(0)
+    A = np.zeros((3, heads, length, length))
+    for layer in range(3):
+        for h in range(heads):
+            A[layer, h, :, rng.integers(0, length)] = 1.0
+    fig = plot_attention_grid(A, include_mean=False)
+    ax = fig.axes[0]
+    mosaic = np.ma.filled(ax.images[0].get_array(), np.nan)  # NaN: the gaps between panels
+    box = ax.get_position()  # (figure fractions)
+    x0, y0 = box.x0 * fig.get_figwidth() * SAVE_DPI, (1 - box.y1) * fig.get_figheight() * SAVE_DPI
+    sx = box.width * fig.get_figwidth() * SAVE_DPI / mosaic.shape[1]  # pixels per cell
+    sy = box.height * fig.get_figheight() * SAVE_DPI / mosaic.shape[0]
+    assert sx >= 1 and sy >= 1, (mosaic.shape, sx, sy)
+    image = imread(save_figure(fig, tmp_path / "grid.png"))[..., :3]
+    dark = np.array(ax.images[0].cmap(0.0)[:3])
+
+    def starts(filled):  # the first cell of each panel along one axis
+        return np.flatnonzero(filled & ~np.r_[False, filled[:-1]])
+
+    rows, cols = starts(~np.isnan(mosaic).all(1)), starts(~np.isnan(mosaic).all(0))
+    size = cols[1] - cols[0] - 1 if len(cols) > 1 else mosaic.shape[1]  # (cells, a bound)
+    assert len(rows) == 3 and len(cols) == heads
+    for r in rows:
+        for c in cols:
+            block = image[
+                int(y0 + r * sy) : int(np.ceil(y0 + (r + size) * sy)),
+                int(x0 + c * sx) : int(np.ceil(x0 + (c + size) * sx)),
+            ]
+            assert (np.abs(block - dark).max(-1) > 0.2).any(), f"panel at cell ({r}, {c})"
+
+
+def test_a_dollar_sign_is_drawn_as_written(tmp_path):
+    """A `$` was read as matplotlib maths: "I paid $5 and $6" lost its dollars and italicised
+    "and", and a token "$$" crashed the save."""
+    tokens = ["I", "paid", "$5", "and", "$6", "$$"]
+    A = np.full((1, 1, 6, 6), 1 / 6)
+    for fig in (
+        plot_attention(A[0, 0], tokens, title="I paid $5 and $6"),
+        plot_attention_grid(A, tokens, title="I paid $5 and $6"),
+        plot_word_distances({"A vs B: “$5 and $6”": [0.1, 0.2]}, word="$$"),
+    ):
+        save_figure(fig, tmp_path / "f.png")  # (raised ParseException on "$$")
+        texts = [t for t in fig.findobj(lambda a: hasattr(a, "get_parse_math"))]
+        assert any("$5 and $6" in t.get_text() for t in texts)
+        assert not any(t.get_parse_math() for t in texts if "$" in t.get_text())
 
 
 def test_grid_labels_tokens_only_where_a_cell_is_one_token():

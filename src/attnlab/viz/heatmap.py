@@ -25,7 +25,7 @@ from ._arrays import (
     layer_stack,
     short,
 )
-from ._mpl import figure_and_axes, new_figure
+from ._mpl import SAVE_DPI, figure_and_axes, literal_text, new_figure
 from .aside import aside_note, set_aside
 
 __all__ = ["plot_attention", "plot_attention_grid", "plot_alignment"]
@@ -92,6 +92,7 @@ def set_token_ticks(
         ax.set_yticks([])
 
 
+@literal_text
 def plot_attention(
     weights: Any,
     query_tokens: Sequence[str] | None = None,
@@ -198,6 +199,7 @@ def _annotate(ax: Any, W: np.ndarray, top: float) -> None:
         ax.text(j, i, text, ha="center", va="center", fontsize=6.5, color=colour)
 
 
+@literal_text
 def plot_attention_grid(
     attentions: Any,
     tokens: Sequence[str] | None = None,
@@ -228,7 +230,8 @@ def plot_attention_grid(
         layer_names: one row label per layer; default ``"layer 0"``, ``"layer 1"``, ...
         include_mean: add a last column with the head average of each layer.
         vmax: top of the shared colour scale; default the largest weight shown.
-        max_cells: panels larger than this are averaged down to it.
+        max_cells: panels larger than this are averaged down to it (and to what a panel's
+            pixels hold in a figure saved at ``SAVE_DPI``: a cell never falls between pixels).
         cmap: a matplotlib colour map name.
         aside: ``S`` key flags: those columns are left out of every panel and each row is
             renormalised over the other keys (the mean column: the mean of the heads,
@@ -257,9 +260,14 @@ def plot_attention_grid(
         note = aside_note(key_tokens, flags)
         key_tokens = [t for t, a in zip(key_tokens, flags, strict=True) if not a]
     check_drawable(A, "attentions", vmax, len(key_tokens))
-    panels = np.stack([_panels(A[i], include_mean, flags, max_cells) for i in range(n_layers)])
+    ncols = H + include_mean
+    thumb = min(1.4, max(0.8, 11.0 / ncols))  # inches per panel
+    # a panel's cells and the gap after it get at least a pixel each when saved: drawn
+    # "nearest" into fewer pixels than cells, whole key columns (a head's only target) vanished
+    cells = min(max_cells, max(1, int((thumb * SAVE_DPI - 1) / 1.12)))
+    panels = np.stack([_panels(A[i], include_mean, flags, cells) for i in range(n_layers)])
     S_shown = len(key_tokens)  # [layers, cols, pl, ps] above, averaged down from (L, S_shown)
-    ncols, pl, ps = panels.shape[1:]
+    pl, ps = panels.shape[2:]
     gap = max(1, round(0.12 * max(pl, ps)))
     mosaic = np.full((n_layers * (pl + gap) - gap, ncols * (ps + gap) - gap), np.nan)
     for li in range(n_layers):
@@ -267,7 +275,6 @@ def plot_attention_grid(
             r, c = li * (pl + gap), col * (ps + gap)
             mosaic[r : r + pl, c : c + ps] = panels[li, col]
 
-    thumb = min(1.4, max(0.8, 11.0 / ncols))
     # token labels beside the first panel, when readable, and only where a cell is one token
     # (a panel averaged down has cells of several)
     labelled = max(L, S_shown) <= 24 and (pl, ps) == (L, S_shown)
@@ -357,6 +364,7 @@ def _links(links: Iterable[Sequence[int]] | None) -> set[tuple[int, int]]:
     return {(int(i), int(j)) for i, j in (links or ())}
 
 
+@literal_text
 def plot_alignment(
     weights: Any,
     source_words: Sequence[str],

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ._arrays import check_tokens, short, squeeze_batch, to_numpy
-from ._mpl import figure_and_axes, new_figure
+from ._mpl import figure_and_axes, literal_text, new_figure
 from .aside import aside_note, set_aside
 from .projection import PCA, fit_pca
 
@@ -237,6 +237,7 @@ def _exit_point(a: np.ndarray, b: np.ndarray, lo: np.ndarray, hi: np.ndarray) ->
     return a + d * t * 0.96
 
 
+@literal_text
 def plot_movement(
     before: Any,
     after: Any,
@@ -317,6 +318,7 @@ def plot_movement(
     return fig
 
 
+@literal_text
 def plot_head_movements(
     before: Any,
     head_afters: Any,
@@ -435,6 +437,7 @@ def plot_head_movements(
     return fig
 
 
+@literal_text
 def plot_trajectories(
     states: Any,
     tokens: Sequence[str] | None = None,
@@ -509,6 +512,7 @@ def plot_trajectories(
     return fig
 
 
+@literal_text
 def plot_word_distances(
     distances: Mapping[str, Any] | Any,
     *,
