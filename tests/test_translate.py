@@ -142,6 +142,20 @@ def test_bpe_tokenizer_roundtrip_and_spans(tmp_path):
     assert again.vocab_size == tok.vocab_size
 
 
+@pytest.mark.parametrize("kind", ["bpe", "char"])
+def test_special_token_spellings_in_a_sentence_are_text(kind, tmp_path):
+    """BPE matched "<s>", "</s>", "<pad>", "<unk>" in the text as the special ids: an EOS in the
+    middle of a target ("<s>" is HTML's strikethrough) and a PAD the loss skips."""
+    texts = ["the price was <s>10</s> 8 dollars", "use <pad> and <unk> here", "hello"] * 5
+    tok = Tokenizer.train(texts, kind, vocab_size=300)
+    tok.save(tmp_path / "tok.json")
+    for t in (tok, Tokenizer.load(tmp_path / "tok.json")):
+        for text in texts[:2]:
+            ids, _ = t.encode(text)
+            assert min(ids) >= 4, ids  # no special id (0-3) inside the text
+            assert t.decode(ids) == text
+
+
 def test_char_tokenizer_roundtrip(tmp_path, char_tok):
     char_tok.save(tmp_path / "t.json")
     tok = Tokenizer.load(tmp_path / "t.json")

@@ -39,6 +39,11 @@ class Tokenizer:
             raise ValueError(f"tokenizer kind must be one of {KINDS}, got {kind!r}")
         self.kind = kind
         self._hf = hf  # tokenizers.Tokenizer for "bpe"
+        if hf is not None:
+            # "<s>", "</s>", "<pad>", "<unk>" written in a sentence are text (HTML's <s> is a
+            # strikethrough), not the special ids: matched in the text, they put an EOS or a
+            # PAD (which the loss skips) in the middle of a target
+            hf.encode_special_tokens = True
         self._chars = list(chars)  # id - len(SPECIALS) -> character, for "char"
         self._char_ids = {c: i + len(SPECIALS) for i, c in enumerate(self._chars)}
 
