@@ -156,6 +156,22 @@ def test_settings_that_cannot_build_or_would_be_ignored_leave_no_run_folder(
     assert not out.exists()  # the corrected command is not told "already holds a run"
 
 
+def test_a_max_len_that_leaves_no_validation_pair_stops_before_training(tmp_path, capsys):
+    """Before: "validation loss nan", and NaN written into train.log and results.json."""
+    import hashlib
+
+    sources = [f"word{i} w{i}" for i in range(20)]
+    held = sorted(sources, key=lambda s: hashlib.sha256(s.encode()).hexdigest())[1]
+    lines = [f"{s}\t{'long ' * 30 if s == held else s.upper()}".strip() for s in sources]
+    data = tmp_path / "pairs.tsv"
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "r"
+    code, _, err = attnlab(capsys, "train", "--data", data, "--tokenizer", "char", "--tiny",
+                           "--max-steps", "3", "--max-len", "40", "--out", out)  # fmt: skip
+    assert code == 2 and "--max-len 40 leaves no validation pair" in err.splitlines()[-1]
+    assert not out.exists()
+
+
 def test_a_max_len_that_leaves_no_training_pair_is_one_line_and_leaves_nothing(tmp_path, capsys):
     """Found only after the tokenizer is trained, in the run folder: before, a NumPy warning
     and "cannot convert float NaN to integer", and a half-made folder that refused the

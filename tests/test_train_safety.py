@@ -9,6 +9,7 @@ The commands run in-process through :func:`attnlab.cli.main` on one tiny run of 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -336,3 +337,33 @@ def test_a_run_whose_data_changed_is_not_evaluated_on_another_test_set(run_copy,
         assert "put back the file the run was trained on" in said and "--data" in said
     data.write_bytes(original)
     assert attnlab(capsys, *evaluate)[0] == 0
+
+
+@pytest.mark.parametrize(
+    "key,value,said",
+    [
+        ("max_steps", 0, "'max_steps' must be an integer > 0, got 0"),
+        ("train_seconds", 0, "'train_seconds' must be a number > 0"),
+        ("cpu_seconds", 0.0, "'cpu_seconds' must be a number > 0"),
+        ("epochs", 0, "'epochs' must be a number > 0"),
+        ("eval_every", 0, "'eval_every' must be a number > 0"),
+        ("val_pairs", 0, "'val_pairs' must be an integer > 0"),
+        ("label_smoothing", 1.5, "'label_smoothing' must be a number >= 0 and < 1, got 1.5"),
+        ("seed", -1, "'seed' must be an integer >= 0 and < 2**32, got -1"),
+        ("seed", 2**32, "'seed' must be an integer >= 0 and < 2**32"),
+        ("clip", -1.0, "'clip' must be a number >= 0"),
+    ],
+)
+def test_training_settings_out_of_range_are_refused_from_files_and_the_api(key, value, said):
+    """Before: a budget of 0 trained without end (read as no budget), eval_every 0 divided by
+    zero, label_smoothing 1.5 failed mid-training, val_pairs 0 gave a NaN validation loss, a
+    negative seed failed in NumPy; and the Python API checked nothing."""
+    from attnlab.translate.trainer import TrainOptions
+
+    for make in (
+        lambda: TrainOptions.from_dict({key: value}),
+        lambda: TrainOptions(**{key: value}),
+    ):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            make()
+    assert TrainOptions(max_steps=1, label_smoothing=0.0, seed=2**32 - 1, clip=0.0).max_steps == 1

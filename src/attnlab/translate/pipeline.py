@@ -562,6 +562,15 @@ def train_run(
             f"{early.max_len} tokens or more (in tokens of this run's tokenizer). Fix: a larger "
             f"--max-len, or leave it out"
         )
+    if not len(val_data):  # (the validation loss of no pair is NaN: say so before training)
+        raise ValueError(
+            f"--max-len {early.max_len} leaves no validation pair: all {val_dropped:,} have "
+            f"{early.max_len} tokens or more (in tokens of this run's tokenizer). Fix: a larger "
+            f"--max-len, or leave it out"
+            if val_dropped
+            else "the task has no validation pairs: the validation loss would be NaN. Fix: "
+            "give the data more pairs (a share of them is held out for validation)"
+        )
     if dropped and dist.main:
         log(f"note: {dropped} training pair(s) of {early.max_len} tokens or more left out")
     if val_dropped and dist.main:

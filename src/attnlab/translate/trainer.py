@@ -74,19 +74,32 @@ class TrainOptions:
     checkpoint_seconds: float = 120.0  # seconds of training between checkpoints
     precision: str = "fp32"  # "bf16": forward and loss under torch.autocast (translate/gpu.py)
 
+    def __post_init__(self) -> None:  # (the Python API is checked as config.json is)
+        for key, spec in self.__dataclass_fields__.items():
+            check_option(key, getattr(self, key), spec.type)
+
     @classmethod
     def from_dict(cls, d: dict) -> TrainOptions:
         d = dict(d)
         if "checkpoint_every" in d:  # its former name, in older config.json files
             d.setdefault("checkpoint_seconds", d.pop("checkpoint_every"))
-        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        for key, value in known.items():
-            check_option(key, value, cls.__dataclass_fields__[key].type)
-        return cls(**known)
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+# Settings whose 0 means nothing sensible: a budget of 0 read as "no budget" and trained without
+# end, eval_every 0 divided by zero, val_pairs 0 gave a NaN validation loss.
+_POSITIVE = {"max_tokens", "max_sentences", "max_len", "epochs", "max_steps", "train_seconds",
+             "cpu_seconds", "eval_every", "val_pairs", "lr", "checkpoint_seconds"}  # fmt: skip
+_ABOVE = {  # upper bounds: (within, said)
+    "label_smoothing": (lambda v: v < 1, "< 1"),
+    "min_lr_ratio": (lambda v: v <= 1, "<= 1"),
+    "seed": (lambda v: v < 2**32, "< 2**32"),
+}
 
 
 def check_option(key: str, value, annotation: str) -> None:
-    """A training setting read from a file must have its field's type; numbers are >= 0."""
+    """A training setting must have its field's type and lie in its range: > 0 for sizes,
+    budgets and rates, >= 0 otherwise; label_smoothing < 1, min_lr_ratio <= 1, seed < 2^32."""
     if value is None and "None" in annotation:
         return
     if annotation == "str":
@@ -95,9 +108,11 @@ def check_option(key: str, value, annotation: str) -> None:
         return
     wanted = "an integer" if annotation.startswith("int") else "a number"
     ok = ckpt.is_int(value) if annotation.startswith("int") else ckpt.is_number(value)
-    least = 1 if key == "max_tokens" else 0
-    if not ok or (key != "seed" and value < least):
-        raise ValueError(f"training setting {key!r} must be {wanted} >= {least}, got {value!r}")
+    positive = key in _POSITIVE
+    within, said = _ABOVE.get(key, (lambda v: True, ""))
+    if not ok or value < 0 or (positive and value == 0) or not within(value):
+        bounds = ("> 0" if positive else ">= 0") + (f" and {said}" if said else "")
+        raise ValueError(f"training setting {key!r} must be {wanted} {bounds}, got {value!r}")
 
 
 @dataclass
