@@ -359,6 +359,23 @@ def test_resume_is_bit_identical_to_uninterrupted(tmp_path, char_tok):
         assert torch.equal(a, b), name
 
 
+def test_every_checkpoint_records_the_exact_epochs_done(tmp_path, char_tok):
+    """A periodic checkpoint (a kill -9 after it) kept epochs_done of the session's end only,
+    so --more-epochs 1 after 13 of 14 batches added 1 step: whole epochs were counted."""
+    from attnlab.translate.cmd_train import done_so_far
+
+    data, _ = encode_pairs(char_tok, PAIRS * 4)
+    torch.manual_seed(0)
+    model = build_model(model_config("rnn", "bahdanau", "tiny"), char_tok.vocab_size)
+    opts = _tiny_opts(epochs=3.0, max_tokens=64, checkpoint_seconds=1e-9)  # every step
+    state = fit(model, data, data, opts, tmp_path, progress_bar=False, stop_at_step=5)
+    saved = ckpt.read_checkpoint_state(ckpt.latest_checkpoint(tmp_path))
+    assert saved["step"] == 5 and 0 < saved["epochs_done"] == state.epochs_done
+    old = dict(saved, epochs_done=0.0, history=[])  # an older run's periodic checkpoint
+    assert done_so_far(saved)["epochs"] == saved["epochs_done"]
+    assert done_so_far(old)["epochs"] == saved["epoch"]  # (whole epochs: all it can know)
+
+
 @pytest.fixture
 def ctrl_c_in_step_3(monkeypatch):
     """``ctrl_c_in_step_3(handler)``: SIGINT's handler set to ``handler`` (put back after the

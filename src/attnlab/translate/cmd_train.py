@@ -326,13 +326,16 @@ def check_budget_options(args: argparse.Namespace) -> None:
 def done_so_far(state: dict) -> dict:
     """What a checkpoint's ``state.json`` says was trained: steps, seconds, CPU seconds, epochs.
 
-    The exact epoch fraction is in the last validation record when it was taken at the
-    checkpoint's step (always so at the end of a session); otherwise whole epochs are counted.
+    The exact epoch fraction is the state's ``epochs_done`` (written with every checkpoint), or
+    in the last validation record when it was taken at the checkpoint's step; else (a periodic
+    checkpoint of an older run) whole epochs are counted.
     """
     history = state.get("history") or []
     epochs = float(state.get("epoch", 0))
     if history and history[-1].get("step") == state.get("step"):
         epochs = float(history[-1].get("epoch", epochs))
+    # (older runs wrote epochs_done at the end of a session only: never more than the truth)
+    epochs = max(epochs, float(state.get("epochs_done") or 0.0))
     return {
         "steps": int(state.get("step", 0)),
         "seconds": float(state.get("elapsed", 0.0)),

@@ -396,9 +396,13 @@ def fit(
         # over a finite checkpoint. (Every process checks: their weights are the same.)
         if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
             raise _diverged("the weights hold a NaN or an inf", state, lr, run_dir, opts)
+        state.epochs_done = epochs_now()  # (a resume's --more-epochs counts from it)
         if dist.main:
             ckpt.save_checkpoint(run_dir, state.step, model, optimizer, state.to_dict())
         saved_step = state.step
+
+    def epochs_now() -> float:
+        return round(state.epoch + state.position / max(1, len(batches_of(state.epoch))), 3)
 
     # the same validation pairs at every validation, in every run and resume; spread over the
     # whole split (its first pairs can be one part of it: the Bible's first books)
@@ -412,7 +416,7 @@ def fit(
         rec = {
             "val_pairs": len(subset),
             "step": state.step,
-            "epoch": round(state.epoch + state.position / max(1, len(batches_of(state.epoch))), 3),
+            "epoch": epochs_now(),
             "elapsed": round(state.elapsed, 1),
             "val_loss": round(loss, 4),
             "val_ppl": round(math.exp(min(loss, 50)), 2),
@@ -535,8 +539,6 @@ def fit(
         save()
     if bar is not None:
         bar.close()
-    state.epochs_done = round(
-        state.epoch + state.position / max(1, len(batches_of(state.epoch))), 3
-    )
+    state.epochs_done = epochs_now()
     state.interrupted = interrupted  # type: ignore[attr-defined]
     return state
