@@ -191,6 +191,10 @@ def test_show_a_bert_folder_draws_eager_weights(bert_dir, tmp_path, capsys, monk
         np.testing.assert_allclose(
             grid_panel(figs["grid.png"], layer, 4, 9, 9), A[layer].mean(0), atol=1e-5
         )
+    # one head's arrows: that head's write alone, as the explorer draws them (before: the
+    # whole layer's, under a title naming the head)
+    said = [t.get_text() for t in figs["movement.png"].findobj(lambda a: hasattr(a, "get_text"))]
+    assert any("after head 1 alone" in t for t in said), said
     data = page_data(out / "explorer.html")
     assert data["default"]["aside"] == "none" and data["special"] == [0, 8]
     for layer in (0, 1):

@@ -279,6 +279,15 @@ def test_heatmap_and_grid_drop_the_set_aside_columns_and_say_so():
     assert labels[0] == "t1 ·1" and all(t.split(" ·")[0] == f"t{t.split('·')[1]}" for t in labels)
 
 
+def test_an_alignment_plot_refuses_what_it_would_draw_wrong():
+    """Scores passed for weights were drawn as all 0 (no error), an empty map failed in NumPy."""
+    W = np.full((2, 3), 1 / 3)
+    with pytest.raises(ValueError, match="must be attention weights, >= 0"):
+        plot_alignment(W - 0.5, ["a", "b", "c"], ["x", "y"])
+    with pytest.raises(ValueError, match="has no cell to draw"):
+        plot_alignment(np.zeros((0, 3)), ["a", "b", "c"], [])
+
+
 def test_alignment_overlay_marks_sure_and_possible_links_and_scores_aer():
     from matplotlib.patches import Rectangle
 
@@ -531,6 +540,25 @@ def test_trace_checks_layers_heads_and_words():
     with pytest.raises(ValueError, match="'boat' is not in"):
         trace.find_focus("boat")
     np.testing.assert_allclose(trace.weights(-1), trace.attentions[1].mean(0))
+
+
+def test_a_trace_takes_numpy_indices_and_flags_and_refuses_hidden_states_a_layer_short():
+    """NumPy integers for layer, head and focus reached the explorer's JSON (a TypeError);
+    special flags as an array raised "truth value ... ambiguous"; hidden_states without the
+    embeddings (Hugging Face's hidden_states[1:]) made every before() a layer late and the last
+    layer's movement zero."""
+    trace, _, _ = two_layer_trace()
+    got = (trace.check_layer(np.int64(-1)), trace.check_head(np.int64(2)))
+    assert got == (1, 2) and all(type(x) is int for x in got)
+    assert type(trace.find_focus(np.int64(3))) is int
+    build_explorer(trace, focus=np.int64(3), layer=np.int64(1), head=np.int64(0))  # JSON
+    flags = np.zeros(len(trace.tokens), bool)
+    flags[0] = True
+    flagged = Trace(tokens=trace.tokens, attentions=trace.attentions, special=flags)
+    assert flagged.special[:2] == [True, False]
+    with pytest.raises(ValueError, match=r"\[layers \+ 1, L, D\] = \[3, 11, D\].*Fix"):
+        Trace(tokens=trace.tokens, attentions=trace.attentions,
+              hidden_states=trace.hidden_states[1:])  # fmt: skip
 
 
 def test_word_distances_are_cosine_distances_of_the_words_vectors():

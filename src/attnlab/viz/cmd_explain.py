@@ -533,6 +533,12 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
     _clear_previous(out)
     written: list[str] = []
 
+    # the arrows of one head move the vectors by that head's write alone, as the explorer
+    # draws them; without the per-head writes, by the whole sublayer (the title says which)
+    if head is not None and trace.has_head_writes:
+        after, moved_by = trace.after_head(layer, head), f"head {head} alone"
+    else:
+        after, moved_by = trace.after_attention(layer), "attention (all heads)"
     say(f"drawing figures into {out}/ ...")
     _write(
         heatmap.plot_attention(trace.weights(layer, head), trace.tokens, title=where, aside=aside),
@@ -552,12 +558,12 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
     _write(
         movement.plot_movement(
             trace.before(layer),
-            trace.after_attention(layer),
+            after,
             trace.tokens,
             trace.weights(layer, head),
             focus,
             fit_on=fit_on,
-            title=f"{where}: token vectors before → after attention,\npulls on "
+            title=f"{where}: token vectors before → after {moved_by},\npulls on "
             f"“{trace.tokens[focus]}” (line width ∝ weight)",
             aside=aside,
         ),

@@ -406,6 +406,7 @@ def plot_alignment(
 
     W = attention_map(weights)
     T, S = W.shape
+    check_drawable(W, "weights", None, S)  # (as the other heatmaps: no cells, negatives)
     target_words = check_tokens(target_words, T, "target_words")
     source_words = check_tokens(source_words, S, "source_words")
     if reference is None:

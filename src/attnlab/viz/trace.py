@@ -119,18 +119,22 @@ class Trace:
         self.tokens = check_tokens(self.tokens, L, "tokens")
         if self.key_tokens is not None or S != L:
             self.key_tokens = check_tokens(self.key_tokens, S, "key_tokens")
-        if not self.special:
+        if self.special is None or len(self.special) == 0:  # (a NumPy array has no truth)
             self.special = [False] * L
+        self.special = [bool(x) for x in self.special]
         if len(self.special) != L:
             raise ValueError(f"special has {len(self.special)} flags for {L} tokens")
         if not self.layer_names:
             self.layer_names = [f"layer {i}" for i in range(n_layers)]
         if self.hidden_states is not None:
             Hs = to_numpy(self.hidden_states, "hidden_states", np.float32)
-            if Hs.ndim != 3 or Hs.shape[1] != L or Hs.shape[0] not in (n_layers, n_layers + 1):
+            # (one per layer only, the embeddings dropped as hidden_states[1:], every before()
+            # would be a layer late and the last layer's movement zero)
+            if Hs.ndim != 3 or Hs.shape[1] != L or Hs.shape[0] != n_layers + 1:
                 raise ValueError(
                     f"hidden_states must be [layers + 1, L, D] = [{n_layers + 1}, {L}, D]; "
-                    f"got {Hs.shape}"
+                    f"got {Hs.shape}. Fix: pass every hidden state, the embeddings first (a "
+                    f"Hugging Face model's hidden_states, not hidden_states[1:])"
                 )
             self.hidden_states = Hs
         if self.attended is not None:
@@ -178,7 +182,7 @@ class Trace:
                 f"layer {layer} is out of range: {self.model} has {n} layers "
                 f"(0 to {n - 1}, or -1 for the last)"
             )
-        return layer % n
+        return int(layer) % n  # (a Python int: it goes into JSON)
 
     def check_head(self, head: int | None) -> int | None:
         if head is None:
@@ -188,7 +192,7 @@ class Trace:
                 f"head {head} is out of range: {self.model} has {self.num_heads} "
                 f"heads per layer (0 to {self.num_heads - 1}); omit it for the mean"
             )
-        return head
+        return int(head)
 
     # -- weights and vectors -----------------------------------------------------------------
 
@@ -235,7 +239,7 @@ class Trace:
         if self.attended is not None:  # (recorded: a norm stands before the residual sum)
             return self.attended[layer]
         if not self.has_head_writes:
-            return states[min(layer + 1, states.shape[0] - 1)]
+            return states[layer + 1]
         assert self.context is not None and self.out_weight is not None
         out = self.context[layer] @ self.out_weight[layer].T  # [L, D]
         if self.out_bias is not None:
@@ -299,7 +303,7 @@ class Trace:
         L = len(self.tokens)
         if not -L <= focus < L:
             raise ValueError(f"focus token {focus} is out of range for {L} tokens")
-        return focus % L
+        return int(focus) % L
 
     def word_vector(self, layer: int, word: str, occurrence: int = 0) -> np.ndarray:
         """``[D]``: the mean of the word's token vectors at ``hidden_states[layer]``."""
