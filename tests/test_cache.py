@@ -253,3 +253,17 @@ def test_a_user_mask_that_does_not_fit_a_caches_keys_names_what_s_is():
                 layer(x, cache=cache, mask=mask)
         with pytest.raises(ValueError, match=r"mask of shape \(3, 5\) does not broadcast"):
             layer(x, mask=torch.ones(3, 5, dtype=torch.bool))  # no cache: the window's mask
+
+
+@pytest.mark.parametrize(
+    "make", [DynamicCache, lambda: StaticCache(8), lambda: SlidingWindowCache(4)]
+)
+def test_a_value_of_another_width_is_refused(make):
+    """A (B, Hkv, 1, 1) value was broadcast over the cached width 8 (every column the same
+    number, no error); a width 4 failed with torch's expand error."""
+    cache = make()
+    cache.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), layer_idx=0)
+    for width in (1, 4):
+        with pytest.raises(ValueError, match=rf"Ev = 8; got value \(1, 2, 1, {width}\).*Fix"):
+            cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, width), layer_idx=0)
+    assert cache.get_seq_length(0) == 3  # (nothing written)

@@ -351,10 +351,16 @@ class Cache:
                 f"StaticCache of max_length={C} is full ({layer.length} tokens): the next token "
                 f"would overwrite the first. Fix: StaticCache(max_length >= {layer.length + 1})."
             )
-        if key.dim() != 4 or key.shape[2] != 1 or key.shape[:2] != layer.keys.shape[:2]:
+        if (
+            key.dim() != 4
+            or key.shape != (*layer.keys.shape[:2], 1, layer.keys.shape[3])
+            or value.shape != (*layer.values.shape[:2], 1, layer.values.shape[3])
+        ):
             raise ValueError(
                 f"write_step takes one token per row, key (B, Hkv, 1, E) = "
-                f"{(*layer.keys.shape[:2], 1, layer.keys.shape[3])}; got {tuple(key.shape)}."
+                f"{(*layer.keys.shape[:2], 1, layer.keys.shape[3])} and value (B, Hkv, 1, Ev) "
+                f"= {(*layer.values.shape[:2], 1, layer.values.shape[3])}; got "
+                f"{tuple(key.shape)} and {tuple(value.shape)}."
             )
         slot = position % C  # (a ring: SlidingWindowCache; a StaticCache never wraps)
         write_token(layer.keys, layer.values, layer.finite, slot, key, value)
@@ -447,6 +453,12 @@ class Cache:
                 f"layer {layer_idx} caches (Hkv, E) = {(layer.keys.shape[1], layer.keys.shape[3])}"
                 f"; got {(key.shape[1], key.shape[3])}: is layer_idx wrong? Each layer needs its "
                 f"own index."
+            )
+        if value.shape != (*key.shape[:3], layer.values.shape[3]):  # (a width 1 broadcast)
+            raise ValueError(
+                f"layer {layer_idx} caches values (B, Hkv, ·, Ev) with Ev = "
+                f"{layer.values.shape[3]}; got value {tuple(value.shape)} for key "
+                f"{tuple(key.shape)}. Fix: the value of the same tokens, its own width."
             )
 
 
