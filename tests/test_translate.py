@@ -180,6 +180,18 @@ def test_epoch_batches_deterministic_cover_and_shard(char_tok):
     assert sorted(parts[0] + parts[1]) == sorted(b1[0])
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_pair_is_in_one_batch_for_any_number_of_processes(char_tok, world):
+    """A pool's last batch with fewer sentences than processes was dropped: with 4 processes
+    3 of 500 pairs were never trained on, in every epoch."""
+    data, _ = encode_pairs(char_tok, PAIRS * 20 + PAIRS[:1])
+    for epoch in range(3):
+        batches = epoch_batches(data, seed=3, epoch=epoch, max_tokens=40 * world,
+                                pool=2, min_sentences=world)  # fmt: skip
+        assert sorted(i for b in batches for i in b) == list(range(len(data)))
+        assert min(len(b) for b in batches) >= world
+
+
 # ------------------------------------------------------------------------------ models
 @pytest.mark.parametrize("kind,attention", ALL_VARIANTS)
 def test_step_by_step_decoding_matches_teacher_forcing(kind, attention):

@@ -126,14 +126,19 @@ def epoch_batches(
         max_sentences: optional cap on sentences per batch.
         pool: batches per sorting pool (more: less padding, less randomness).
         min_sentences: at least this many per batch (the number of distributed processes).
+            A pool's last few sentences join the next pool, the very last ones the last batch
+            (which may then pass ``max_tokens`` by those few): every pair is in one batch.
     """
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(data))
     length = np.array([max(len(s), len(t)) + 1 for s, t in zip(data.src, data.tgt, strict=True)])
     batches: list[list[int]] = []
     per_pool = max(1, pool * max_tokens // max(1, int(length.mean())))
+    left: list[int] = []  # a pool's last sentences, fewer than min_sentences: into the next
     for start in range(0, len(order), per_pool):
-        chunk = order[start : start + per_pool]
+        chunk = np.concatenate(
+            [np.asarray(left, dtype=order.dtype), order[start : start + per_pool]]
+        )
         chunk = chunk[np.argsort(length[chunk], kind="stable")]
         batch: list[int] = []
         longest = 0
@@ -146,8 +151,13 @@ def epoch_batches(
                     batch, new_longest = [], int(length[i])
             batch.append(int(i))
             longest = new_longest
+        left = []
         if len(batch) >= min_sentences:
             batches.append(batch)
+        else:
+            left = batch
+    if left and batches:  # (the very last: joins the last batch, a little over max_tokens)
+        batches[-1].extend(left)
     rng.shuffle(batches)
     return batches
 

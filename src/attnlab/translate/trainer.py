@@ -370,6 +370,12 @@ def fit(
                 else opts.max_sentences * dist.world,
                 min_sentences=dist.world,
             )
+            if not batches_cache[epoch]:  # (an epoch of no step would loop without end)
+                raise ValueError(
+                    f"{len(train_data)} training pair(s) make no batch for {dist.world} "
+                    f"processes: each needs one sentence. Fix: more data (a larger --max-len "
+                    f"keeps more), or fewer processes"
+                )
         return batches_cache[epoch]
 
     def progress() -> float:
