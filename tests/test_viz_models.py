@@ -240,6 +240,9 @@ def test_compare_prints_and_writes_the_distance_of_bank_per_layer(
 ):
     other, same = "I went to the bank to make a deposit", "The boat drifted to the river bank"
     out = tmp_path / "compare"
+    out.mkdir()  # a plain show's pictures there first: they went on beside the new summary
+    (out / "heatmap.png").write_bytes(b"old")
+    (out / "summary.json").write_text('{"files": ["heatmap.png"]}')
     run_explain(
         [TEXT, "--compare", other, same, "--word", "bank", "--out", str(out), "--quiet"],
         minilm,

@@ -680,6 +680,7 @@ def _compare(args, texts: list[str], model, tokenizer, out: Path, say: _Progress
     D = word_distances(traces, word)  # [others, layers + 1]
     names = [chr(ord("A") + i) for i in range(len(texts))]
     out.mkdir(parents=True, exist_ok=True)
+    _clear_previous(out)  # (as a plain show: no pictures of another text beside this summary)
     written: list[str] = []
     curves = {f"A vs {names[k + 1]}: “{_short(texts[k + 1], 50)}”": D[k] for k in range(len(D))}
     _write(
