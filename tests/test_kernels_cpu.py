@@ -168,6 +168,25 @@ def test_bf16_products_take_all_rows_in_one_block_while_they_fit(monkeypatch):
     assert cf._Plan(q, k, v, None, None, 1.0, 0.0, 0).rows == cf.BLOCK_ROWS
 
 
+def test_a_long_s_takes_fewer_rows_per_block_and_the_same_answer(monkeypatch):
+    """256 rows x S keys per block grew the torch-ops blocks' temporaries with S (1 GiB each at
+    S = 1M); past LONG_BLOCK_BYTES a block takes fewer rows, forward and backward alike."""
+    q, kv = torch.zeros(1, 4, 512, 4), torch.zeros(1, 2, 2**20, 4)  # G = 2, S = 1M
+    rows = cf._Plan(q, kv, kv, None, None, 1.0, 0.0, 0).rows
+    assert 1 <= rows < cf.BLOCK_ROWS and 2 * rows * 2**20 * 4 <= cf.LONG_BLOCK_BYTES
+    q, kv = torch.zeros(1, 4, 512, 4), torch.zeros(1, 2, 16_384, 4)  # 32 MiB: still 256 rows
+    assert cf._Plan(q, kv, kv, None, None, 1.0, 0.0, 0).rows == cf.BLOCK_ROWS
+    monkeypatch.setattr(cf, "LONG_BLOCK_BYTES", 2 * 11 * 4 * 2)  # 2 rows of G = 2, S = 11
+    q, k, v = inputs(2, 4, 2, 7, 11, 5, 3, dtype=F64, grad=True)
+    assert cf._Plan(q, k, v, None, None, 1.0, 0.0, 0).rows == 2
+    mask = make_mask("bool", 2, 4, 7, 11)
+    for alignment in (None, "bottom_right"):
+        out = flash_attention(q, k, v, mask, alignment, 0.4, 0.0)
+        truth = oracle(q, k, v, mask, alignment, 0.4)
+        np.testing.assert_allclose(out.detach().numpy(), truth, atol=1e-12)
+        assert gradcheck(lambda *t, a=alignment: flash_attention(*t, mask, a, 0.4, 0.0), (q, k, v))
+
+
 def test_strided_inputs_and_no_grad_modes(blocks):
     """(B, L, H, E) memory seen as (B, H, L, E), a non-contiguous gradient; no_grad, inference."""
     q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in inputs(

@@ -25,7 +25,8 @@ apart (``lse`` is their sum): a row whose scores a huge bias absorbed (``finfo.m
 key: uniform weights, as the oracle's) has ``|m|`` so large that ``lse`` would round its second
 part away.
 
-Tiling. A block is a range of query rows (``BLOCK_ROWS`` per head) of several whole kv heads
+Tiling. A block is a range of query rows (``BLOCK_ROWS`` per head; fewer past
+``LONG_BLOCK_BYTES`` of scores, a long S) of several whole kv heads
 (of one batch row, or of several), against **every key the block can see** at once -- no loop
 over key blocks with an online softmax: on a CPU a block of scores fits in cache
 (``BLOCK_BYTES``), so its softmax is exact in one pass and each product is one large ``bmm``
@@ -94,6 +95,10 @@ ONE_BLOCK_BYTES_BF16 = 8 * 2**20
 # the C++ kernel's brgemm path (bf16 and float32 products): query rows of one head per block,
 # its float32 scores and dP in L2 beside K, V
 BRGEMM_ROWS = 64
+# the torch-ops blocks: fewer than BLOCK_ROWS rows once a block's scores pass this (a long S:
+# 256 rows x 1M keys were 1 GiB per temporary). Not BLOCK_BYTES, as the C++ kernel: each block
+# costs Python here; at S = 16k, 1 thread, fwd+bwd took x1.15 the time at 64 rows, x1.33 at 32
+LONG_BLOCK_BYTES = 64 * 2**20
 LOG2E = 1.0 / math.log(2.0)
 # a row max past this (in the plan's unit) gets P from the max and the sum apart in the backward:
 # the lse's rounding (half an ulp of the max, 2^-14 here) would otherwise count against P
@@ -337,6 +342,8 @@ class _Plan:
         self.rows = min(L, BLOCK_ROWS)
         if self.mm_dtype == torch.bfloat16 and H // Hkv * L * S * 4 <= ONE_BLOCK_BYTES_BF16:
             self.rows = L
+        elif self.G * self.rows * S * 4 > LONG_BLOCK_BYTES:
+            self.rows = max(1, LONG_BLOCK_BYTES // (self.G * S * 4))
         per_head = self.G * self.rows * S * 4  # bytes of one kv head's scores in a block
         if per_head * Hkv <= BLOCK_BYTES:  # several batch rows, all heads
             self.batches, self.heads = min(B, max(1, BLOCK_BYTES // (per_head * Hkv))), Hkv
