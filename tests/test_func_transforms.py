@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 from torch.func import functional_call, grad, jvp, stack_module_state, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnlab.functional as AF
 from attnlab import masks
@@ -295,6 +296,58 @@ def test_second_derivatives_are_not_silently_zero():
     seen.clear()
     grad(sdpa_loss)(x)
     assert seen == ["cpu_flash"]
+
+
+@pytest.mark.parametrize("weights", [True, "average"])
+def test_second_derivatives_under_torchs_math_backend(weights):
+    """torch's sdpa_kernel(SDPBackend.MATH) asks for the readable formula: attnlab's kernels
+    (whose backwards are first-derivative only) stand aside, and gradgradcheck passes."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, n, 4, generator=g, dtype=F64, requires_grad=True)
+               for n in (3, 5, 5))  # fmt: skip
+    w_q, w_k, w = (torch.randn(*s, generator=g, dtype=F64) for s in ((6, 4), (6, 4), (6,)))
+    mask = torch.tensor([True, True, False, True, True])
+
+    def sdpa(*t):
+        out, p = AF.scaled_dot_product_attention(*t, mask, return_weights=weights)
+        return out.square().sum() + p.square().sum()
+
+    def additive(*t):
+        return AF.additive_attention(*t, w_q, w_k, w, attn_mask=mask).square().sum()
+
+    assert AF.explain(q, k, v, mask, return_weights=weights).path == "weights"
+    assert "chunked" in str(AF.explain_additive(q, k, v, w_q, w_k, w, attn_mask=mask))
+    with pytest.raises(RuntimeError, match="computes first derivatives only"):
+        (d,) = torch.autograd.grad(sdpa(q, k, v), q, create_graph=True)
+        d.sum().backward()
+    with sdpa_kernel(SDPBackend.MATH):
+        for kw in ({"return_weights": weights}, {"dropout_p": 0.1}):
+            explained = AF.explain(q, k, v, mask, **kw)
+            assert explained.path == "eager" and "math backend only" in str(explained)
+        assert "SDPBackend.MATH" in str(AF.explain_additive(q, k, v, w_q, w_k, w))
+        assert torch.autograd.gradgradcheck(sdpa, (q, k, v))
+        assert torch.autograd.gradgradcheck(additive, (q, k, v))
+        assert AF.explain(q.float(), k.float(), v.float(), dropout_p=0.1).path == "eager"
+    assert AF.explain(q.float(), k.float(), v.float(), dropout_p=0.1).path == "cpu_flash"
+
+
+def test_a_second_derivative_through_a_kernel_names_it_and_the_way_out():
+    # torch's once_differentiable said "trying to differentiate twice" and, where the incoming
+    # gradient needed none (a plain sum), returned gradients with no graph: "does not require
+    # grad" at the second backward
+    q = torch.randn(1, 2, 6, 8, requires_grad=True)
+    assert AF.explain(q, q, q, dropout_p=0.1).path == "cpu_flash"
+    for loss in (lambda o: o.square().sum(), lambda o: o.sum()):
+        out = AF.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+        (d,) = torch.autograd.grad(loss(out), q, create_graph=True)
+        with pytest.raises(RuntimeError) as err:
+            d.square().sum().backward()
+        message = str(err.value)
+        assert "attnlab's blocked CPU kernel computes first derivatives only" in message
+        assert "sdpa_kernel(SDPBackend.MATH)" in message and "torch.func.grad" in message
+    out = AF.scaled_dot_product_attention(q, q, q, dropout_p=0.1)  # first derivatives: as ever
+    (d,) = torch.autograd.grad(out.sum(), q)
+    assert not d.requires_grad and d.abs().sum() > 0
 
 
 def test_compiled_causal_and_window_calls_do_not_recompile_per_length():

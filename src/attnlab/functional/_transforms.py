@@ -52,3 +52,20 @@ def readable_only(names: frozenset[str] | None = None) -> str | None:
         if name in names:
             return name
     return None
+
+
+def math_backend_only() -> bool:
+    """Whether torch's ``sdpa_kernel`` context allows its math backend only (its flash,
+    memory-efficient and cuDNN backends off): the way to ask torch for the readable,
+    twice-differentiable formula, which attnlab's dispatch then takes too, for
+    ``scaled_dot_product_attention`` and the additive scores (:mod:`attnlab._derivatives`).
+    Not read in traced graphs (dynamo cannot read the flags): there, as without the context.
+    ~0.4 us outside it."""
+    b = torch.backends.cuda  # (the flags are global: torch's CPU kernels read them too)
+    return (
+        not torch.compiler.is_compiling()
+        and not b.flash_sdp_enabled()
+        and not b.mem_efficient_sdp_enabled()
+        and not b.cudnn_sdp_enabled()
+        and b.math_sdp_enabled()
+    )

@@ -40,8 +40,8 @@ serve the rest (float64, float16, traced calls, a machine without a C++ compiler
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from attnlab._derivatives import first_derivatives_only
 from attnlab.functional import _memory
 from attnlab.kernels import cpu_flash
 from attnlab.masks import causal_keep
@@ -292,7 +292,7 @@ class WeightsAttention(torch.autograd.Function):
         return out, weights
 
     @staticmethod
-    @once_differentiable  # (its blocks run without a graph: a second derivative raises)
+    @first_derivatives_only("attnlab's weights-on-demand path")
     def backward(ctx, d_out, d_weights):
         if ctx.native:
             q, k, v, stats, mask, _ = ctx.saved_tensors  # (the weights: saved, so that an

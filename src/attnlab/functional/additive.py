@@ -32,7 +32,6 @@ import math
 import time
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from attnlab._checks import (
     broadcast_shapes,
@@ -42,6 +41,7 @@ from attnlab._checks import (
     check_floating,
     check_mask,
 )
+from attnlab._derivatives import first_derivatives_only
 from attnlab.functional import _transforms
 from attnlab.functional._layout import with_causal
 from attnlab.functional.nonfinite import is_finite_assumed, propagate_nonfinite
@@ -146,7 +146,7 @@ class _AdditiveScores(torch.autograd.Function):
         return _chunked_scores(a, b, w, chunk_bytes, c)
 
     @staticmethod
-    @once_differentiable  # (its buffers are written in place: no graph of the backward)
+    @first_derivatives_only("attnlab's chunked additive scores")
     def backward(ctx, grad):  # grad (N, L, S)
         a, b, w = ctx.saved_tensors
         N, L, A = a.shape
@@ -451,10 +451,13 @@ def explain_additive(
 def _readable_because() -> str | None:
     """Why the scores must be the naive formula's torch ops, or None: under ``torch.func.vmap``,
     forward-mode AD or a nested ``grad`` (:func:`attnlab.functional._transforms.readable_only`),
+    torch's ``sdpa_kernel(SDPBackend.MATH)`` (a second derivative: :mod:`attnlab._derivatives`),
     or ``torch.export`` (whose program keeps torch's ops, with gradients)."""
     transform = _transforms.readable_only()
     if transform is not None:
         return f"under torch.func ({transform})"
+    if _transforms.math_backend_only():
+        return "under torch's sdpa_kernel(SDPBackend.MATH)"
     if _exporting():
         return "under torch.export"
     return None

@@ -165,6 +165,14 @@ def _choose(
         return Dispatch(
             "eager", ("return_weights with dropout -- the weights must be the dropped ones",)
         )
+    if _transforms.math_backend_only():
+        return Dispatch(
+            "eager",
+            (
+                "torch's sdpa_kernel allows its math backend only: the readable formula (torch "
+                "ops, differentiable twice), not attnlab's kernels or torch's fused ones",
+            ),
+        )
     transforms = _transforms.active()  # torch.func's: attnlab's own kernels stand aside
     kernel = dropout_p > 0 or query.is_cpu and _trains_chosen(query, key, value)  # (cpu_flash)
     if _transforms.readable_only(transforms) or (

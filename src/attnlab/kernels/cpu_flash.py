@@ -81,8 +81,8 @@ import operator
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
+from attnlab._derivatives import first_derivatives_only
 from attnlab.kernels import cpu_flash_native
 from attnlab.kernels._threads import in_threads, scratch_view
 
@@ -318,7 +318,7 @@ class _FlashAttention(torch.autograd.Function):
         ctx.args = (alignment, scale, dropout_p, seed, native_ok)  # (the same implementation)
 
     @staticmethod
-    @once_differentiable
+    @first_derivatives_only("attnlab's blocked CPU kernel")
     def backward(ctx, dout, dstats):
         if dout is None:  # (only stats reached the loss: it carries no gradient)
             return (None,) * 10

@@ -85,9 +85,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from attnlab._checks import broadcast_shapes
+from attnlab._derivatives import first_derivatives_only
 from attnlab.kernels import _triton
 from attnlab.kernels.triton_attention import _program, _row_stats, _store_row_stats
 
@@ -466,7 +466,7 @@ class _AdditiveAttention(torch.autograd.Function):
         return out.to(value.dtype)
 
     @staticmethod
-    @once_differentiable
+    @first_derivatives_only("attnlab's Triton additive kernel")
     def backward(ctx, grad_out):
         at, bt, w, value, m, out, stats, scores, skip = ctx.saved_tensors
         N, A, L = at.shape

@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
+from attnlab._derivatives import first_derivatives_only
 from attnlab.kernels import _triton
 from attnlab.kernels.triton_attention import (
     _allowed,
@@ -280,7 +280,7 @@ class TritonAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
-    @once_differentiable  # the kernels' gradients carry no graph: a second derivative raises
+    @first_derivatives_only("attnlab's Triton attention kernel")
     def backward(ctx, grad_out):
         q, k, v, out, stats = ctx.saved_tensors
         dq, dk, dv = attention_backward(q, k, v, out, stats, grad_out, *ctx.args)
