@@ -161,9 +161,9 @@ class Mask(torch.Tensor):
 
     @property
     def data(self) -> torch.Tensor:
-        """Its plain tensor, detached; writes through it are seen as changes of the mask (a
-        tensor's ``.data`` would hide them from the version counters, and the structure would
-        be trusted although the values changed)."""
+        """Its plain tensor, detached, sharing its memory; the mask forgets its structure, as
+        :func:`plain` says why."""
+        self._built_version = None
         return self._data.detach()
 
     def _stable_hash_for_caching(self) -> str:  # (AOTAutograd's cache of compiled graphs)
@@ -189,7 +189,7 @@ def _remember(mask: torch.Tensor, **structure) -> None:
 
 def _versions(mask: Mask) -> tuple[int, int] | None:
     """The mask's version counter (bumped by its own in-place ops) and its tensor's (by writes
-    through plain()); None for an inference tensor (made under ``torch.inference_mode()``),
+    through its views); None for an inference tensor (made under ``torch.inference_mode()``),
     which has none: its structure cannot be trusted to hold, so only its values count."""
     if mask._data.is_inference():
         return None
@@ -209,7 +209,25 @@ def structure(mask) -> tuple:
 
 
 def plain(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """``mask`` as a plain ``torch.Tensor`` (a :class:`Mask` unwrapped; anything else as is)."""
+    """``mask`` as a plain ``torch.Tensor`` (a :class:`Mask` unwrapped; anything else as is).
+
+    The tensor shares the mask's memory, so a :class:`Mask` forgets the structure it was built
+    from (as after ``__dlpack__``): a write through the tensor's NumPy array would bypass
+    torch's version counters, and kernels would skip key blocks by a structure the values no
+    longer have. From now on its values alone tell what it masks (``explain()`` names the
+    dense path). To keep the structure: read ``mask.numpy()`` (read-only), or take
+    ``plain(mask.clone())``, a copy.
+    """
+    if isinstance(mask, Mask):
+        mask._built_version = None
+        return mask._data
+    return mask
+
+
+def unwrap(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """``mask``'s tensor (a :class:`Mask` unwrapped; anything else as is), structure kept: for
+    attnlab's own reading, which never writes through it nor hands it out (else :func:`plain`).
+    """
     return mask._data if isinstance(mask, Mask) else mask
 
 
@@ -222,7 +240,7 @@ def show(mask: torch.Tensor, max_rows: int = 24, max_cols: int = 48) -> str:
         max_rows, max_cols: larger masks are cut, with "…" marking the cut.
     """
     m = to_bool(mask) if mask.is_floating_point() else mask
-    m = plain(m).detach().cpu()
+    m = unwrap(m).detach().cpu()
     if m.dim() < 2:
         m = m.reshape(1, -1)
     head = (
@@ -443,7 +461,7 @@ def expand_key_padding(key_padding_mask: torch.Tensor) -> Mask:
             f"{tuple(key_padding_mask.shape)} {key_padding_mask.dtype}. Fix: lengths can be "
             f"turned into one with attnlab.masks.padding_mask(lengths)."
         )
-    return Mask(plain(key_padding_mask)[:, None, None, :])
+    return Mask(unwrap(key_padding_mask)[:, None, None, :])
 
 
 def from_torch_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -458,7 +476,7 @@ def from_torch_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
         return mask
     if mask.dtype != torch.bool:
         raise TypeError(f"from_torch_mask expects a bool or float mask; got {mask.dtype}.")
-    return Mask(~plain(mask))
+    return Mask(~unwrap(mask))
 
 
 def _combine(op, masks: tuple[torch.Tensor, ...], name: str) -> Mask:
@@ -471,9 +489,9 @@ def _combine(op, masks: tuple[torch.Tensor, ...], name: str) -> Mask:
                 f"{getattr(m, 'dtype', type(m).__name__)}. Fix: convert an additive bias with "
                 f"attnlab.masks.to_bool."
             )
-    out = plain(masks[0])
+    out = unwrap(masks[0])
     for m in masks[1:]:
-        out = op(out, plain(m))
+        out = op(out, unwrap(m))
     return Mask(out)
 
 
@@ -511,7 +529,7 @@ def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch
     if mask.dtype != torch.bool:
         raise TypeError(f"to_additive expects a bool mask; got {mask.dtype}.")
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    return bias.masked_fill_(~plain(mask), float("-inf"))
+    return bias.masked_fill_(~unwrap(mask), float("-inf"))
 
 
 def to_bool(bias: torch.Tensor) -> Mask:
@@ -525,4 +543,4 @@ def to_bool(bias: torch.Tensor) -> Mask:
     """
     if not bias.is_floating_point():
         raise TypeError(f"to_bool expects a floating additive bias; got {bias.dtype}.")
-    return Mask(plain(bias) > torch.finfo(bias.dtype).min / 2)
+    return Mask(unwrap(bias) > torch.finfo(bias.dtype).min / 2)

@@ -49,7 +49,7 @@ from attnlab.functional.sdpa import Dispatch, _exporting
 from attnlab.functional.softmax import LOW_PRECISION, attention
 from attnlab.kernels import _triton
 from attnlab.kernels.choice import env_setting
-from attnlab.masks import plain
+from attnlab.masks import unwrap
 
 CHUNK_BYTES = 8 * 2**20  # per-block buffer: large enough for big matmuls, small for the caches
 
@@ -556,7 +556,7 @@ def _fused(query, key, value, w_query, w_key, w_score, attn_mask, bias, lead, al
     b = b.expand(*lead, S, A).reshape(N, S, A)  # (..., S, A) -> (N, S, A)
     v = value.expand(*lead, S, Dv).reshape(N, S, Dv)  # (..., S, Dv) -> (N, S, Dv)
     if attn_mask is not None:  # (..., L, S) -> (N, L, S), a view when the dims merge
-        attn_mask = plain(attn_mask).expand(*lead, L, S).reshape(N, L, S)
+        attn_mask = unwrap(attn_mask).expand(*lead, L, S).reshape(N, L, S)
     out = triton_additive.additive_attention(
         a, b, w_score.float(), v, attn_mask, alignment, finite=is_finite_assumed()
     )

@@ -37,7 +37,7 @@ from attnlab.functional._layout import (
 )
 from attnlab.functional.nonfinite import propagate_nonfinite
 from attnlab.functional.softmax import LOW_PRECISION, apply_mask, masked_softmax
-from attnlab.masks import plain
+from attnlab.masks import unwrap
 
 MODES = ("argmax", "sample", "topk")
 
@@ -155,7 +155,7 @@ def hard_attention(
     alignment = causal_alignment(is_causal, L, S)
     if attn_mask is not None:
         check_mask(attn_mask, (*query.shape[:-2], L, S), device=query.device)
-        attn_mask = plain(attn_mask)
+        attn_mask = unwrap(attn_mask)
     q, k, v, mask, restore = as_4d(query, key, value, attn_mask)
     if noise is not None:
         if tuple(noise.shape) != (*query.shape[:-2], L, S):

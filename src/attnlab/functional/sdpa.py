@@ -72,7 +72,7 @@ from attnlab.functional.nonfinite import (
 )
 from attnlab.functional.softmax import LOW_PRECISION, masked_softmax
 from attnlab.kernels import flex_padding
-from attnlab.masks import plain
+from attnlab.masks import unwrap
 
 inf = float("inf")
 
@@ -420,7 +420,7 @@ def _prepared(query, key, value, attn_mask, is_causal, scale, dropout_p, return_
         check_bias_range(attn_mask, query.dtype)
     structure = _triton.structure_of(attn_mask, query, key)  # padding as lengths, windows
     if attn_mask is not None:
-        attn_mask = plain(attn_mask)  # a masks.Mask is a bool tensor that prints as a picture
+        attn_mask = unwrap(attn_mask)  # a masks.Mask is a bool tensor that prints as a picture
     q, k, v, mask, restore = as_4d(query, key, value, attn_mask)
     return query, q, k, v, mask, restore, alignment, structure, scale, dropout_p
 

@@ -26,7 +26,7 @@ from attnlab.cache import Cache, SlidingWindowCache
 from attnlab.functional.rotary import RotaryScaling, apply_rotary_qk, rotate_qk
 from attnlab.functional.sdpa import attention_with
 from attnlab.kernels.few_rows import linear
-from attnlab.masks import plain, restrict, sliding_window_mask
+from attnlab.masks import restrict, sliding_window_mask, unwrap
 from attnlab.nn._names import COMPAT, FORWARD, INIT, refuse
 
 
@@ -287,7 +287,7 @@ class MultiHeadAttention(nn.Module):
             key_mask = None  # now part of allowed
             kv_finite = cache.kv_finite(self.layer_idx)
         elif self.sliding_window is not None:
-            allowed = plain(
+            allowed = unwrap(
                 sliding_window_mask(
                     L,
                     k.shape[2],
@@ -299,7 +299,7 @@ class MultiHeadAttention(nn.Module):
             causal = False
         if mask is not None:  # (checked before it meets the cache's or window's own mask)
             _check_user_mask(mask, (B, self.num_heads, L, k.shape[2]), cache, q.device)
-        mask = _combine(allowed, plain(mask), key_mask, B, k.shape[2])
+        mask = _combine(allowed, unwrap(mask), key_mask, B, k.shape[2])
         dropout = self.attn_dropout if self.training else 0.0
         want = ("average" if average_weights else True) if return_weights else False
         out = attention_with(
