@@ -820,3 +820,26 @@ def test_empty_batches_and_heads_and_zero_width_scores():
     torch.testing.assert_close(
         AF.scaled_dot_product_scores(torch.ones(2, 3, 0), torch.ones(2, 4, 0)), torch.zeros(2, 3, 4)
     )
+
+
+def test_the_oracle_refuses_what_its_torch_twin_refuses():
+    # from a review: the oracle broadcast one query head over 4 kv heads, took L = -2 as an
+    # empty mask and L = 3.0 as 3, crashed on no lengths, and refused a NumPy integer window
+    from attnlab import masks
+    from attnlab.reference import masks as RM
+
+    q, kv = np.ones((1, 1, 3, 4)), np.ones((1, 4, 5, 4))
+    for call in (R.scaled_dot_product_attention, AF.scaled_dot_product_attention):
+        args = (q, kv, kv) if call is R.scaled_dot_product_attention else (
+            torch.ones(1, 1, 3, 4), torch.ones(1, 4, 5, 4), torch.ones(1, 4, 5, 4))  # fmt: skip
+        with pytest.raises(ValueError, match="must divide"):
+            call(*args)
+    for twin in (RM, masks):
+        for bad in (-2, 3.0):
+            with pytest.raises(ValueError, match=r"query_length must be an int >= 0"):
+                twin.causal_mask(bad)
+        assert np.asarray(twin.padding_mask(np.array([], dtype=np.int64))).shape == (0, 1, 1, 0)
+    np.testing.assert_array_equal(
+        RM.sliding_window_mask(4, window=np.int64(2)),
+        masks.sliding_window_mask(4, window=np.int64(2)).numpy(),
+    )

@@ -89,6 +89,9 @@ def attention(scores, value, attn_mask=None, *, dropout_p=0.0, return_weights=Fa
 def dot_product_scores(query, key):
     # [..., H, L, E], [..., Hkv, S, E] -> [..., H, L, S]: s_ij = q_i . k_j
     query, key = _f64(query), _f64(key)
+    if query.ndim >= 4 and key.ndim >= 4 and key.shape[-3] > query.shape[-3]:
+        # (as the torch twin; numpy would broadcast one query head over the kv heads)
+        raise ValueError(f"Hkv={key.shape[-3]} must divide H={query.shape[-3]}")
     key = _repeat_kv(key, _heads(query))
     return query @ np.swapaxes(key, -1, -2)
 

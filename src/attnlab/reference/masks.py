@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
+
+
+def _count(value, name):
+    # (as the torch twin: bad input is refused) an integer >= 0, numpy's too
+    try:
+        count = operator.index(value)
+    except TypeError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"{name} must be an int >= 0; got {value!r}")
+    return count
 
 
 def _positions(query_length, key_length, alignment):
     # Queries sit at positions offset..offset+L-1 on the keys' time axis.
     if key_length is None:
         key_length = query_length
+    query_length = _count(query_length, "query_length")
+    key_length = _count(key_length, "key_length")
     if alignment is None:
         if query_length != key_length:
             raise ValueError("alignment must be 'top_left' or 'bottom_right' when L != S")
@@ -29,7 +44,7 @@ def causal_mask(query_length, key_length=None, *, alignment=None):
 
 def sliding_window_mask(query_length, key_length=None, *, window, alignment=None, causal=True):
     # -> [L, S]: query at position p sees keys p - window < j <= p (or |j - p| < window)
-    if not isinstance(window, int) or window < 1:  # (as the torch twin: bad input is refused)
+    if _count(window, "window") < 1:
         raise ValueError(f"window must be an int >= 1; got {window!r}")
     q_pos, k_pos = _positions(query_length, key_length, alignment)
     distance = q_pos - k_pos
@@ -49,7 +64,7 @@ def padding_mask(lengths, max_length=None, *, side="right"):
     # [B] -> [B, 1, 1, S]: True marks a real token
     lengths = _lengths(lengths)
     if max_length is None:
-        max_length = int(lengths.max())
+        max_length = int(lengths.max()) if lengths.size else 0
     if (lengths > max_length).any():
         raise ValueError(f"lengths must be <= max_length={max_length}; got {lengths.tolist()}")
     pos = np.arange(max_length)[None, :]
