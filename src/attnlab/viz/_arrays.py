@@ -88,6 +88,25 @@ def short(token: str, width: int = 14) -> str:
     return token if len(token) <= width else token[: width - 1] + "…"
 
 
+def split_occurrence(word: str) -> tuple[str, int]:
+    """A focus word and which of its uses is meant: ``"bank"`` -> ``("bank", 0)``, the first
+    use; ``"bank#2"`` -> ``("bank", 1)``, the second (``#N`` counts from 1). ``"#2"`` or
+    ``"C#"`` alone are words as written.
+
+    Raises:
+        ValueError: ``#0``: uses are counted from 1.
+    """
+    head, sep, tail = word.rpartition("#")
+    if not sep or not head.strip() or not tail.isdigit():
+        return word, 0
+    if int(tail) < 1:
+        raise ValueError(
+            f"the focus {word!r} asks for use number {tail} of {head!r}; uses count from 1. "
+            f"Fix: {head}#1 (or {head}) for the first"
+        )
+    return head, int(tail) - 1
+
+
 def block_mean(W: np.ndarray, rows: int, cols: int) -> np.ndarray:
     """Shrink the last two dims of ``W`` to at most ``rows`` x ``cols`` by averaging blocks."""
     L, S = W.shape[-2:]

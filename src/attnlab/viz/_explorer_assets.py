@@ -25,7 +25,8 @@ main { display: flex; flex-wrap: wrap; gap: 14px; padding: 14px 18px; align-item
 .panel { background: #fff; border: 1px solid #ddd; border-radius: 6px; padding: 10px 12px; }
 .hint { color: #666; font-size: 12px; margin: 0 0 6px; width: 0; min-width: 100%; }
 #headview-scroll { max-height: 640px; overflow-y: auto; overflow-x: hidden; }
-#headview text { font-size: 12px; cursor: pointer; user-select: none; }
+#headview text { font: 12px system-ui, -apple-system, "Segoe UI", Roboto, sans-serif;
+                 cursor: pointer; user-select: none; }
 #headview text.special { fill: #888; font-style: italic; }
 #headview text.focus { font-weight: 700; fill: #c0392b; }
 #headview .colhead { font-size: 11px; fill: #666; cursor: default; }
@@ -39,7 +40,7 @@ main { display: flex; flex-wrap: wrap; gap: 14px; padding: 14px 18px; align-item
 #movement circle { cursor: pointer; }
 footer { padding: 0 18px 18px; color: #666; font-size: 12px; max-width: 1100px; }
 #overview { display: grid; gap: 3px; align-items: start; max-height: 560px; overflow: auto;
-            padding-right: 4px; }
+            padding-right: 4px; max-width: 100%; }
 #overview .ov-col { font-size: 10px; color: #666; text-align: center; }
 #overview .ov-layer { font: 11px system-ui, sans-serif; color: #444; background: none; border: 0;
                       padding: 0 6px 0 0; text-align: right; white-space: nowrap;
@@ -51,6 +52,7 @@ footer { padding: 0 18px 18px; color: #666; font-size: 12px; max-width: 1100px; 
 #overview .thumb:hover { border-color: #9ab; }
 #overview .thumb.selected { border-color: #c0392b; }
 #overview .thumb canvas { image-rendering: pixelated; display: block; }
+#overview .ov-h { font-size: 9px; line-height: 1.1; color: #777; }
 #overview .pat { font-size: 10px; line-height: 1.25; color: #333; }
 #overview .pat-prev, #overview .pat-next, #overview .pat-diag { color: #1f5fa8; }
 #overview .pat-sink { color: #888; }
@@ -199,10 +201,27 @@ JS = r"""
     return e;
   }
   const short = (t) => (t.length > 16 ? t.slice(0, 15) + "…" : t);
+  // A label that fits in maxPx (as `width` measures it): the token, or its first characters
+  // and "…" (at most 16 characters, as short()). Where a label is elided, its element carries
+  // the whole token as a tooltip; the heatmap's labels show it when hovered.
+  function fitLabel(t, maxPx, width) {
+    const cp = Array.from(t);  // code points: an emoji is never cut in half
+    if (cp.length <= 16 && width(t) <= maxPx) return t;
+    let n = Math.min(cp.length, 15);
+    while (n > 1 && width(cp.slice(0, n).join("") + "…") > maxPx) n--;
+    return cp.slice(0, n).join("") + "…";
+  }
+  const measurer = document.createElement("canvas").getContext("2d");
+  function widthIn(font) {
+    return (s) => { measurer.font = font; return measurer.measureText(s).width; };
+  }
 
   // ---- head view ----------------------------------------------------------------------
   const hv = document.getElementById("headview");
   const HV_W = 380, XQ = 150, XK = 230, TOP = 22;
+  const HV_LABEL = 140;  // px a head-view label may take: the space beside its column, less 6
+  // measured in the labels' own font, bold (a focused label is bold: it must fit too)
+  const hvWidth = widthIn('700 12px system-ui, -apple-system, "Segoe UI", Roboto, sans-serif');
   const hvHeight = TOP + Math.max(L, S) * ROW + 6;
   hv.setAttribute("width", HV_W); hv.setAttribute("height", hvHeight);
   el("text", { x: XQ, y: 12, "text-anchor": "end", class: "colhead" }, hv).textContent =
@@ -218,10 +237,13 @@ JS = r"""
       const back = el("rect", { x: side === "q" ? x - 130 : x - 4, y: y - ROW / 2 + 1, width: 134,
         height: ROW - 2, fill: "#1f5fa8", "fill-opacity": 0, rx: 2,
         "pointer-events": "none" }, hv);
+      const label = fitLabel(t, HV_LABEL, hvWidth);
+      const group = el("g", {}, hv);  // a <title> in the group: the whole token on hover
+      if (label !== t) el("title", {}, group).textContent = t;
       const txt = el("text", { x: side === "q" ? x : x + 0, y: y + 4, "text-anchor":
         side === "q" ? "end" : "start", "data-i": i, class: "tok " + side +
-        (side === "q" && SPECIAL.has(i) ? " special" : "") }, hv);
-      txt.textContent = short(t);
+        (side === "q" && SPECIAL.has(i) ? " special" : "") }, group);
+      txt.textContent = label;
       txt.addEventListener("mouseenter", () => { state.hover = { i: i, side: side }; update(); });
       txt.addEventListener("mouseleave", () => { state.hover = null; update(); });
       txt.addEventListener("click", () => {
@@ -292,9 +314,15 @@ JS = r"""
   const cell = Math.max(1, Math.min(28, Math.floor(480 / Math.max(L, S))));
   const labels = cell >= 9;
   const ctx = hm.getContext("2d");
-  ctx.font = "11px sans-serif";
-  const labelW = (tokens) => Math.max(...tokens.map((t) => ctx.measureText(short(t)).width)) + 8;
-  const M = { left: labels ? labelW(QT) : 6, top: 6, bottom: labels ? labelW(KT) : 6 };
+  // one font for measuring and drawing the labels (measured at 11 px and drawn at 12, a long
+  // label ran past the canvas's edge); a label wider than HM_LABEL is elided, and hovering
+  // it shows the whole token (the readout and the canvas's tooltip)
+  const HM_LABEL = 140, LABEL_FONT = Math.min(12, cell) + "px sans-serif";
+  const hmWidth = widthIn(LABEL_FONT);
+  const qLabels = QT.map((t) => fitLabel(t, HM_LABEL, hmWidth));
+  const kLabels = KT.map((t) => fitLabel(t, HM_LABEL, hmWidth));
+  const labelW = (shown) => Math.ceil(Math.max(0, ...shown.map(hmWidth))) + 8;
+  const M = { left: labels ? labelW(qLabels) : 6, top: 6, bottom: labels ? labelW(kLabels) : 6 };
   hm.width = M.left + S * cell + 6; hm.height = M.top + L * cell + M.bottom;
   const off = document.createElement("canvas");
   off.width = S; off.height = L;
@@ -318,12 +346,12 @@ JS = r"""
     ctx.imageSmoothingEnabled = false;
     ctx.drawImage(off, M.left, M.top, S * cell, L * cell);
     if (labels) {
-      ctx.fillStyle = "#333"; ctx.font = Math.min(12, cell) + "px sans-serif";
+      ctx.fillStyle = "#333"; ctx.font = LABEL_FONT;
       ctx.textAlign = "right"; ctx.textBaseline = "middle";
-      QT.forEach((t, i) => ctx.fillText(short(t), M.left - 4, M.top + (i + 0.5) * cell));
-      KT.forEach((t, j) => {
+      qLabels.forEach((t, i) => ctx.fillText(t, M.left - 4, M.top + (i + 0.5) * cell));
+      kLabels.forEach((t, j) => {
         ctx.save(); ctx.translate(M.left + (j + 0.5) * cell, M.top + L * cell + 4);
-        ctx.rotate(-Math.PI / 2); ctx.fillText(short(t), 0, 0); ctx.restore();
+        ctx.rotate(-Math.PI / 2); ctx.fillText(t, 0, 0); ctx.restore();
       });
     }
     if (f) {
@@ -351,10 +379,18 @@ JS = r"""
     const y = (ev.clientY - r.top) * (hm.height / r.height) - M.top;
     const i = Math.floor(y / cell), j = Math.floor(x / cell);
     const out = document.getElementById("readout");
+    let tip = "";
     if (i >= 0 && i < L && j >= 0 && j < S) {
       out.textContent = "“" + QT[i] + "” (" + i + ") → “" + KT[j] + "” (" + j + "): " +
         current()[i * S + j].toFixed(3);
+    } else if (labels && x < 0 && i >= 0 && i < L) {  // a query's label: the whole token
+      tip = out.textContent = (DATA.kind === "cross" ? "target" : "query") + " " + i + ": " +
+        QT[i];
+    } else if (labels && y >= L * cell && j >= 0 && j < S) {  // a key's label
+      tip = out.textContent = (DATA.kind === "cross" ? "source" : "key") + " " + j + ": " +
+        KT[j];
     }
+    hm.title = tip;
   });
 
   // ---- embedding movement --------------------------------------------------------------
@@ -499,14 +535,23 @@ JS = r"""
   });
 
   // ---- overview: every layer x head at a glance, each labelled with its pattern ----------
-  // Thumbnails come precomputed (averaged down to <= 32 x 32 cells, 8 bits relative to each
-  // thumbnail's largest cell), once per "set aside" choice; the labels are computed in Python
-  // from the full weights (attnlab.viz.head_patterns), never from the thumbnails.
+  // Thumbnails come precomputed (averaged down to <= 32 x 32 cells, 8 bits on one colour
+  // scale for the whole page: relative to the largest cell of any thumbnail, OV.top), once per
+  // "set aside" choice; the labels are computed in Python from the full weights
+  // (attnlab.viz.head_patterns), never from the thumbnails.
   const OV = DATA.overview, PAT = DATA.patterns;
   const PAT_CLASSES = new Set(["prev", "next", "diag", "sink", "broad", "content"]);
   const ovBox = document.getElementById("overview");
-  const THUMB = Math.max(30, Math.min(60, Math.floor(600 / H)));  // css px per thumbnail
-  ovBox.style.gridTemplateColumns = "auto repeat(" + H + ", " + (THUMB + 6) + "px)";
+  // Each cell is a whole number of screen pixels (a 32-cell thumbnail squeezed into 30 css px
+  // dropped two rows and columns, "pixelated"), about THUMB_TARGET css px a side; a layer's
+  // heads wrap onto rows of at most OV_ROW_WIDTH css px, so many heads stay legible.
+  const THUMB_TARGET = 56, OV_ROW_WIDTH = 900, DPR = window.devicePixelRatio || 1;
+  const cellPx = Math.max(1, Math.round((THUMB_TARGET * DPR) / Math.max(OV.rows, OV.cols))) / DPR;
+  const TW = OV.cols * cellPx, TH = OV.rows * cellPx;  // css px of a thumbnail's canvas
+  const PER_ROW = Math.max(1, Math.min(H, Math.floor(OV_ROW_WIDTH / (TW + 9))));
+  const ROWS = Math.ceil(H / PER_ROW), WRAPPED = PER_ROW < H;  // grid rows per layer
+  ovBox.style.gridTemplateColumns = "auto repeat(" + PER_ROW + ", " + Math.ceil(TW + 6) + "px)";
+  ovBox.dataset.perRow = String(PER_ROW);
   const thumbs = [], layerButtons = [];  // thumbs[layer][head] = {button, canvas}
   function openHead(l, h) {
     state.layer = l; state.head = h;
@@ -518,22 +563,31 @@ JS = r"""
     if (text !== undefined) e.textContent = text;
     return e;
   }
-  ovBox.appendChild(node("span", "ov-col"));
-  for (let h = 0; h < H; h++) ovBox.appendChild(node("span", "ov-col", "head " + h));
+  // column heads name the heads when a layer is one row; wrapped, each thumbnail names its own
+  const head0 = WRAPPED ? 1 : 2;  // the grid row of layer 0
+  if (!WRAPPED) {
+    ovBox.appendChild(node("span", "ov-col"));
+    for (let h = 0; h < H; h++) ovBox.appendChild(node("span", "ov-col", "head " + h));
+  }
   for (let l = 0; l < NL; l++) {
     const name = node("button", "ov-layer", DATA.layer_names[l]);
     name.dataset.layer = String(l);
     name.title = "the mean of the heads of " + DATA.layer_names[l];
+    name.style.gridColumn = "1";
+    name.style.gridRow = head0 + l * ROWS + " / span " + ROWS;
     name.addEventListener("click", () => openHead(l, -1));
     ovBox.appendChild(name); layerButtons.push(name);
     const row = [];
     for (let h = 0; h < H; h++) {
       const b = node("button", "thumb");
       b.dataset.layer = String(l); b.dataset.head = String(h);
+      b.style.gridColumn = String(2 + (h % PER_ROW));
+      b.style.gridRow = String(head0 + l * ROWS + Math.floor(h / PER_ROW));
+      if (WRAPPED) b.appendChild(node("span", "ov-h", "head " + h));
       const c = document.createElement("canvas");
       c.width = OV.cols; c.height = OV.rows;
-      c.style.width = THUMB + "px";
-      c.style.height = Math.max(8, Math.round((THUMB * OV.rows) / OV.cols)) + "px";
+      c.style.width = TW + "px";
+      c.style.height = TH + "px";
       b.appendChild(c);
       const p = PAT ? PAT[l][h] : null;
       if (p) {
@@ -547,7 +601,7 @@ JS = r"""
     }
     thumbs.push(row);
   }
-  document.getElementById("overview-legend").textContent = PAT ?
+  const PAT_LEGEND = PAT ?
     "prev: the previous token · next: the next token · diag: itself · sink: the first or " +
     "special tokens · broad: spread over most tokens · content: keys picked by what they are, " +
     "not where. Labels come from the full weights, with nothing set aside." :
@@ -557,7 +611,13 @@ JS = r"""
     const key = state.aside + ":" + state.scale;
     if (key !== ovDrawn) {  // repaint only when the colours change, not on hover
       ovDrawn = key;
-      const set = OV.thumbs[state.aside] || OV.thumbs.none, sqrt = state.scale === "sqrt";
+      const name = OV.thumbs[state.aside] ? state.aside : "none";
+      const set = OV.thumbs[name], sqrt = state.scale === "sqrt";
+      const top = OV.top ? OV.top[name] : null;
+      document.getElementById("overview-legend").textContent = (top === null ? "" :
+        "Colours: one scale for every thumbnail on the page, so heads and layers compare by " +
+        "colour: dark = 0, yellow = " + top.toFixed(3) + " (the largest weight of any " +
+        "thumbnail, blocks of cells averaged" + (sqrt ? "; √weight" : "") + "). ") + PAT_LEGEND;
       const n = OV.rows * OV.cols;
       for (let l = 0; l < NL; l++) {
         const q = bytes(set[l]);

@@ -62,6 +62,52 @@ def figure_and_axes(ax: Any, width: float, height: float) -> tuple[Any, Any]:
     return fig, fig.add_subplot()
 
 
+def wrap_text(text: str, width_inches: float, fontsize: float | str) -> str:
+    """``text`` with line breaks added so that no line is wider than ``width_inches`` at
+    ``fontsize`` (points, or a name such as ``"large"``): a title longer than its figure is
+    wrapped instead of running off it. Lines break at spaces; a word wider than a whole line
+    is cut. The widths are measured with matplotlib's own text layout (Agg), not guessed from
+    the number of characters, so wide letters and CJK wrap as early as they must."""
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import RendererAgg
+    from matplotlib.font_manager import FontProperties
+
+    prop = FontProperties(size=fontsize)
+    renderer = RendererAgg(1, 1, 72)  # 72 pixels per inch: widths in points
+    limit = max(width_inches, 0.5) * 72
+
+    def fits(line: str) -> bool:
+        return renderer.get_text_width_height_descent(line, prop, ismath=False)[0] <= limit
+
+    lines: list[str] = []
+    for paragraph in text.split("\n"):
+        line = ""
+        for word in paragraph.split(" "):
+            trial = f"{line} {word}" if line else word
+            if fits(trial):
+                line = trial
+                continue
+            if line:
+                lines.append(line)
+            while len(word) > 1 and not fits(word):  # one word wider than the line: cut it
+                cut = max(k for k in range(1, len(word)) if k == 1 or fits(word[:k]))
+                lines.append(word[:cut])
+                word = word[cut:]
+            line = word
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def set_wrapped_title(ax: Any, title: str, **kwargs: Any) -> Any:
+    """``ax.set_title(title, **kwargs)``, wrapped to the width of the axes (a title is centred
+    on its axes; their width before the layout is done, which the layout only widens)."""
+    import matplotlib
+
+    fontsize = kwargs.get("fontsize", matplotlib.rcParams["axes.titlesize"])
+    width = ax.get_position().width * float(ax.figure.get_figwidth())
+    return ax.set_title(wrap_text(title, width, fontsize), **kwargs)
+
+
 SAVE_DPI = 110  # pixels per inch of a saved figure (figures size their images by it)
 
 

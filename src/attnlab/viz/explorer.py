@@ -36,8 +36,11 @@ Storage (the file stays small, and long inputs stay responsive):
 * Each layer's data is a separate base64 string, decoded only when that layer is shown.
 * Movement coordinates are 16-bit integers scaled to each layer's largest coordinate.
 * Overview thumbnails are each head's map averaged down to at most :data:`THUMB_CELLS` cells a
-  side (blocks of cells averaged), 8 bits relative to the thumbnail's largest cell, once for
-  each "set aside" choice (renormalised at full size, then averaged down).
+  side (blocks of cells averaged), once for each "set aside" choice (renormalised at full size,
+  then averaged down), 8 bits on **one colour scale for the whole page**: relative to the
+  largest thumbnail cell of any layer and head (the legend gives that weight), so heads and
+  layers compare by colour. Each cell is drawn a whole number of screen pixels wide (no cell is
+  dropped or doubled by scaling); with many heads a layer's thumbnails wrap onto several rows.
 * At most ``maxLines`` (1500) lines are drawn at once, the strongest first; the heatmap is drawn
   at one canvas pixel per cell and scaled by the browser.
 
@@ -183,18 +186,33 @@ def _asides(trace: Trace) -> dict[str, np.ndarray | None]:
 
 
 def _thumbnails(trace: Trace, asides: dict[str, np.ndarray | None]) -> dict[str, Any]:
-    """Per "set aside" choice, per layer: ``[H, rows, cols]`` uint8 thumbnails, base64."""
+    """Per "set aside" choice, per layer: ``[H, rows, cols]`` uint8 thumbnails, base64, all on
+    **one colour scale for the whole page**: 8 bits relative to the largest thumbnail cell of
+    any layer and head (``top``, per choice), so that the same colour is the same weight in
+    every thumbnail and heads and layers compare by colour. (Each thumbnail scaled to its own
+    maximum made a head that spreads its weight look as bright as one that puts it all on one
+    key.)"""
     n_layers, H, L, S = trace.attentions.shape
-    thumbs: dict[str, list[str]] = {name: [] for name in asides}
+    smalls: dict[str, list[np.ndarray]] = {name: [] for name in asides}
     for layer in trace.attentions:  # [H, L, S]
         for name, flags in asides.items():
             shown = layer if flags is None else set_aside(layer, flags)
-            small = block_mean(shown, THUMB_CELLS, THUMB_CELLS)  # [H, <= 32, <= 32]
-            top = small.max(axis=(-2, -1), keepdims=True)  # each thumbnail to its own maximum
-            scale = np.where(top > 0, LEVELS / np.where(top > 0, top, 1.0), 0.0)
-            q = np.floor(small * scale + 0.5).clip(0, LEVELS).astype(np.uint8)
-            thumbs[name].append(_b64(q))
-    return {"rows": min(L, THUMB_CELLS), "cols": min(S, THUMB_CELLS), "thumbs": thumbs}
+            smalls[name].append(block_mean(shown, THUMB_CELLS, THUMB_CELLS))  # [H, <= 32, <= 32]
+    thumbs: dict[str, list[str]] = {}
+    tops: dict[str, float] = {}
+    for name, layers in smalls.items():
+        top = max(float(small.max(initial=0.0)) for small in layers)
+        scale = LEVELS / top if top > 0 else 0.0
+        thumbs[name] = [
+            _b64(np.floor(small * scale + 0.5).clip(0, LEVELS).astype(np.uint8)) for small in layers
+        ]
+        tops[name] = round(top, 4)
+    return {
+        "rows": min(L, THUMB_CELLS),
+        "cols": min(S, THUMB_CELLS),
+        "thumbs": thumbs,
+        "top": tops,  # the weight of the brightest colour, per "set aside" choice
+    }
 
 
 def _labels(patterns: list[list[HeadPattern]]) -> list[list[dict[str, Any]]]:

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import check_tokens, short, squeeze_batch, to_numpy
-from ._mpl import figure_and_axes, literal_text, new_figure
+from ._arrays import check_tokens, short, split_occurrence, squeeze_batch, to_numpy
+from ._mpl import figure_and_axes, literal_text, new_figure, set_wrapped_title, wrap_text
 from .aside import aside_note, set_aside
 from .projection import PCA, fit_pca
 
@@ -33,6 +33,7 @@ AFTER = "#1f5fa8"
 FOCUS = "#c0392b"
 PULL = "#e67e22"
 MAX_PULL_WIDTH = 9.0  # points, for the strongest pull
+SUPTITLE_SIZE = 10.0  # points, plot_head_movements' title
 
 
 def _vectors(x: Any, name: str) -> np.ndarray:
@@ -40,13 +41,25 @@ def _vectors(x: Any, name: str) -> np.ndarray:
 
 
 def _focus_index(focus: int | str | None, tokens: list[str]) -> int | None:
+    """The focus token's index: an index as given, or a token string's **first** occurrence
+    (``"bank#2"``: its second), as :meth:`Trace.find_focus` reads a word."""
     if focus is None:
         return None
     if isinstance(focus, str):
-        matches = [i for i, t in enumerate(tokens) if t.lower() == focus.lower()]
-        if not matches:
-            raise ValueError(f"focus token {focus!r} is not one of the tokens {tokens[:20]}")
-        return matches[-1]
+        word, occurrence = split_occurrence(focus)
+        matches = [i for i, t in enumerate(tokens) if t.lower() == word.lower()]
+        if len(matches) <= occurrence:
+            found = f"{len(matches)} time" + ("" if len(matches) == 1 else "s")
+            raise ValueError(
+                f"focus token {focus!r}: expected a token of {tokens[:20]}"
+                + (
+                    f" used at least {occurrence + 1} times; {word!r} is there {found}"
+                    if matches
+                    else ""
+                )
+                + ". Fix: pass one of the tokens (WORD#N for its N-th use) or a token index"
+            )
+        return matches[occurrence]
     if not -len(tokens) <= focus < len(tokens):
         raise ValueError(f"focus {focus} is out of range for {len(tokens)} tokens")
     return focus % len(tokens)
@@ -260,8 +273,9 @@ def plot_movement(
             :meth:`Trace.after_attention`; or the bare output of seed 001's self-attention).
         tokens: ``L`` labels.
         weights: ``[L, L]`` attention weights; with ``focus``, row ``focus`` gives the pulls.
-        focus: the token whose pulls are drawn: an index or a token string (its last
-            occurrence); ``None`` draws no pulls.
+        focus: the token whose pulls are drawn: an index or a token string (its first
+            occurrence, as :meth:`Trace.find_focus`; ``"bank#2"``: the second); ``None`` draws
+            no pulls.
         ax: draw into these axes.
         title: e.g. ``"minilm · layer 2 · mean of heads"``.
         pca: a projection to use (e.g. shared by several panels); default
@@ -314,7 +328,7 @@ def plot_movement(
     ax.set_xlabel(pca.axis_label(0))
     ax.set_ylabel(pca.axis_label(1))
     if title:
-        ax.set_title(title)
+        set_wrapped_title(ax, title)  # (a long model name or token ran off the figure)
     return fig
 
 
@@ -339,7 +353,7 @@ def plot_head_movements(
         head_afters: ``[H, L, D]``: ``before`` plus each head's write (:meth:`Trace.after_head`).
         tokens: ``L`` labels.
         weights: ``[H, L, L]`` each head's weights, for the pulls on ``focus``.
-        focus: index or token string.
+        focus: index or token string (its first occurrence; ``"bank#2"``: the second).
         layer_after: ``[L, D]`` the vectors after all heads together; adds a last panel, and
             the shared PCA is fitted on ``before`` and ``layer_after`` (default: on ``before``
             and every head's positions).
@@ -382,8 +396,20 @@ def plot_head_movements(
         panels.append(("all heads", X_layer, pulls(mean_row)))
     ncols = min(4, len(panels))
     nrows = -(-len(panels) // ncols)
+    width = 3.3 * ncols + 0.7
+    suptitle = None
+    if title:
+        note = "" if aside is None else f" ({aside_note(tokens, aside)})"
+        suptitle = wrap_text(
+            f"{title}\nhollow: before · filled: after the head's write · orange: pull "
+            f"on the focus token (width ∝ weight){note}",
+            width - 0.3,
+            SUPTITLE_SIZE,
+        )
+    # room for the title: its lines (wrapped to the width), at least the old inch
+    top = max(1.0, 0.3 + 1.25 * SUPTITLE_SIZE / 72 * (suptitle.count("\n") + 1)) if title else 0.4
     # fixed margins (inches) instead of constrained layout: a dozen panels lay out 5x faster
-    width, height = 3.3 * ncols + 0.7, 3.0 * nrows + (1.0 if title else 0.4) + 0.5
+    height = 3.0 * nrows + top + 0.5
     fig = new_figure(width, height)
     axes = fig.subplots(
         nrows,
@@ -395,7 +421,7 @@ def plot_head_movements(
             "left": 0.55 / width,
             "right": 1 - 0.15 / width,
             "bottom": 0.5 / height,
-            "top": 1 - (1.0 if title else 0.4) / height,
+            "top": 1 - top / height,
             "wspace": 0.08,
             "hspace": 0.12,
         },
@@ -427,13 +453,8 @@ def plot_head_movements(
             ax.set_xlabel("PC1", fontsize=8)
             ax.tick_params(labelbottom=True)
         ax.tick_params(labelsize=6)
-    if title:
-        note = "" if aside is None else f" ({aside_note(tokens, aside)})"
-        fig.suptitle(
-            f"{title}\nhollow: before · filled: after the head's write · orange: pull "
-            f"on the focus token (width ∝ weight){note}",
-            fontsize=10,
-        )
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=SUPTITLE_SIZE)
     return fig
 
 
@@ -454,7 +475,8 @@ def plot_trajectories(
     Args:
         states: ``[layers + 1, L, D]`` (e.g. :attr:`Trace.hidden_states`).
         tokens: ``L`` labels, written at each path's end.
-        focus: the token drawn in colour, with its layer numbers.
+        focus: the token drawn in colour, with its layer numbers: an index or a token string
+            (its first occurrence; ``"bank#2"``: the second).
         normalize: scale every vector to unit length first, so the picture shows directions
             (what cosine distance measures) rather than the growth of the residual stream.
         ax: draw into these axes.
@@ -508,7 +530,7 @@ def plot_trajectories(
         )
     ax.set_xlabel(pca.axis_label(0))
     ax.set_ylabel(pca.axis_label(1))
-    ax.set_title(title or "token vectors through the layers")
+    set_wrapped_title(ax, title or "token vectors through the layers")
     return fig
 
 
@@ -543,5 +565,5 @@ def plot_word_distances(
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
-    ax.set_title(title or f"how far apart {word!r} ends up, layer by layer")
+    set_wrapped_title(ax, title or f"how far apart {word!r} ends up, layer by layer")
     return fig

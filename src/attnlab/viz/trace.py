@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import attention_map, check_tokens, layer_stack, to_numpy
+from ._arrays import attention_map, check_tokens, layer_stack, split_occurrence, to_numpy
 
 __all__ = [
     "Trace",
@@ -292,14 +292,21 @@ class Trace:
         return len(self.tokens) - 1
 
     def find_focus(self, focus: int | str | None) -> int:
-        """A token position from an index, a word (its last token) or ``None`` (the default)."""
+        """A token position from an index, a word or ``None`` (:meth:`default_focus`).
+
+        A word means its **first** use in the text (``"bank#2"``: its second), and of a word
+        split into several tokens, the last one. :func:`attnlab.viz.plot_movement` and the
+        explorer page read a word the same way, so every picture of one text shows the same
+        token.
+        """
         if focus is None:
             return self.default_focus()
         if isinstance(focus, str):
             if focus.lstrip("-").isdigit():
                 focus = int(focus)
             else:
-                return self.word_tokens(focus)[-1]
+                word, occurrence = split_occurrence(focus)
+                return self.word_tokens(word, occurrence)[-1]
         L = len(self.tokens)
         if not -L <= focus < L:
             raise ValueError(f"focus token {focus} is out of range for {L} tokens")
