@@ -96,3 +96,30 @@ def test_decomposed_text_is_read_as_nfc_the_form_the_tokenizer_writes(tmp_path):
     (pair,), problems = load_pairs(path)
     assert not problems and (pair.source, pair.target) == ("café", "qué")
     assert unicodedata.is_normalized("NFC", pair.source + pair.target)
+
+
+def test_old_mac_line_ends_are_lines(tmp_path):
+    """Before: a file whose lines end in "\\r" alone (old Mac) was one line, its pairs joined:
+    "a<TAB>b\\rc<TAB>d" gave the single pair ("a", "b\\rc") with the id "d"."""
+    path = write(tmp_path, b"one\tuno\rtwo\tdos\r\rthree\ttres\tt3\r")
+    pairs, problems = load_pairs(path)
+    assert pairs == [
+        Pair("one", "uno", "pairs.tsv:1"),
+        Pair("two", "dos", "pairs.tsv:2"),
+        Pair("three", "tres", "t3"),
+    ]
+    assert [(p.line, p.reason) for p in problems] == [(3, "blank line")]
+
+
+def test_a_carriage_return_inside_a_line_is_a_bad_line_not_a_joined_pair(tmp_path):
+    """A "\\n" file with some "\\r" line ends: the lines a "\\r" joins are one bad line (with
+    its number, the reason and the fix), never a pair whose target and id are other lines."""
+    path = write(tmp_path, b"one\tuno\ntwo\tdos\rthree\ttres\nfour\tcuatro\r\n")
+    pairs, problems = load_pairs(path)
+    assert pairs == [Pair("one", "uno", "pairs.tsv:1"), Pair("four", "cuatro", "pairs.tsv:3")]
+    (problem,) = problems
+    assert problem.line == 2 and problem.text == "two\tdos\rthree\ttres"
+    assert problem.reason.startswith("a carriage return (\\r) inside the line")
+    assert "save the file with \\n line ends" in problem.reason
+    with pytest.raises(ValueError, match=r"pairs\.tsv: 1 bad line\(s\).*\n.*line 2: a carriage"):
+        load_pairs(path, on_error="raise")

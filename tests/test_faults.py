@@ -239,6 +239,64 @@ def test_resume_skips_a_damaged_checkpoint_for_an_older_complete_one(reference, 
     assert ckpt.read_checkpoint_state(ckpt.latest_checkpoint(out))["step"] == STEPS + 1
 
 
+def newer_copy_with_a_damaged_state(run_dir: Path, damage: str) -> Path:
+    """A complete copy of the run's checkpoint saved after it (a crash between rename and
+    clean-up leaves two), named by LATEST, whose state.json is then damaged."""
+    root = run_dir / ckpt.CHECKPOINTS
+    good = ckpt.latest_checkpoint(run_dir)
+    newer = root / f"{good.name}.1"
+    shutil.copytree(good, newer)
+    manifest = json.loads((newer / ckpt.MANIFEST).read_text())
+    manifest["saved_ns"] += 1
+    (newer / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    state = (newer / ckpt.STATE).read_text()
+    if damage == "truncated":  # cut short: not JSON
+        (newer / ckpt.STATE).write_text(state[: len(state) // 2])
+    else:  # still JSON, but not what was saved (its checksum says so)
+        (newer / ckpt.STATE).write_text(state.replace(f'"step": {STEPS}', '"step": 99', 1))
+    (root / ckpt.LATEST).write_text(newer.name)
+    assert ckpt.latest_checkpoint(run_dir) == newer
+    return newer
+
+
+@pytest.mark.parametrize("damage", ["truncated", "altered"])
+def test_a_damaged_newest_state_falls_back_to_the_older_intact_checkpoint(
+    reference, tmp_path, capsys, damage
+):
+    """Before: --resume read the step and the budget from the newest folder's state.json, not
+    from the checkpoint training resumes from: a truncated one stopped the resume although an
+    intact checkpoint was there; an altered one said "resuming at step 99" and --more-steps 1
+    trained 70 steps."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    newer = newer_copy_with_a_damaged_state(out, damage)
+    capsys.readouterr()
+    train_in_process("--out", str(out), "--resume", "--more-steps", "1")
+    err = capsys.readouterr().err
+    assert f"skipped a damaged checkpoint: {newer / ckpt.STATE}" in err
+    assert f"resuming at step {STEPS};" in err and "step 99" not in err
+    assert ckpt.read_checkpoint_state(ckpt.latest_checkpoint(out))["step"] == STEPS + 1
+
+
+def test_an_unfinished_run_loads_its_newest_intact_checkpoint(reference, tmp_path, capsys):
+    """Before: translate / evaluate of a run without final weights read the newest checkpoint
+    folder only, and a damaged state.json there stopped them beside an intact older one."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    (out / "model.safetensors").unlink()
+    newer = newer_copy_with_a_damaged_state(out, "truncated")
+    capsys.readouterr()
+    translator = load_run(out)
+    err = capsys.readouterr().err
+    assert f"skipped a damaged checkpoint: {newer / ckpt.STATE}" in err
+    assert translator.checkpoint_step == STEPS
+    assert translator.translate(["1 mars 1999"])[0]
+    for name in (newer, out / ckpt.CHECKPOINTS / f"step-{STEPS:08d}"):  # all damaged: its error
+        (name / ckpt.STATE).write_text("{")
+    with pytest.raises(ckpt.RunFileError, match="state.json: damaged"):
+        load_run(out)
+
+
 # ------------------------------------------------------------------------------ divergence
 def test_a_diverging_run_stops_at_the_first_nonfinite_loss_and_keeps_its_last_checkpoint(
     tmp_path, capsys
@@ -280,6 +338,32 @@ def test_weights_that_overflow_under_a_finite_loss_are_not_saved(tmp_path, capsy
     said = capsys.readouterr().err
     assert "diverged at step 5: the weights hold a NaN or an inf" in said
     assert ckpt.latest_checkpoint(out) is None and "has no checkpoint yet" in said
+
+
+def test_adam_moments_that_overflow_under_finite_weights_are_not_saved(
+    tmp_path, capsys, monkeypatch
+):
+    """--clip 0 and a gradient whose square overflows float32: Adam's exp_avg_sq becomes inf,
+    exp_avg stays finite, so every update is exp_avg / sqrt(inf) = 0: the loss and the weights
+    stay finite and the weights stop learning. Before: training went on and saved the inf
+    moments, in a checkpoint that could not be resumed."""
+    step = torch.optim.AdamW.step
+
+    def overflowing(self, *args, **kwargs):
+        first = self.param_groups[0]["params"][0]
+        if int(self.state.get(first, {}).get("step", 0)) == 2:  # the third step
+            first.grad.fill_(1e30)  # finite; its square is not
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", overflowing)
+    out = tmp_path / "run"
+    args = [*TRAIN[:-4], "--max-steps", "5", "--checkpoint-every", "100", "--clip", "0"]
+    assert cli.main(["train", *args, "--out", str(out), *QUIET]) == 2
+    said = capsys.readouterr().err
+    assert "diverged at step 5: the optimizer's 'exp_avg_sq' holds a NaN or an inf" in said
+    assert "--clip 1.0 (this run did not clip)" in said
+    assert ckpt.latest_checkpoint(out) is None and "has no checkpoint yet" in said
+    assert not (out / "model.safetensors").exists()
 
 
 def test_kill_9_in_the_final_evaluation_then_resume_finishes_the_report(reference, tmp_path):

@@ -164,6 +164,21 @@ def test_char_tokenizer_roundtrip(tmp_path, char_tok):
     assert tok.encode("dos ñ")[0][-1] == 3  # unknown character -> UNK
 
 
+def test_char_tokenizer_reads_every_whitespace_as_a_space(tmp_path):
+    """Before: every whitespace but " " was dropped in encoding (and yet given an id in
+    training), so words joined by a no-break space or a tab came back glued ("3juin2001")."""
+    texts = ["10 mai 1999", "3\u00a0juin\t2001", "5\u3000mars\n2000"]
+    tok = Tokenizer.train(texts, "char")
+    assert not [s for s in tok.token_strings(range(4, tok.vocab_size)) if s.isspace() and s != " "]
+    tok.save(tmp_path / "t.json")
+    for t in (tok, Tokenizer.load(tmp_path / "t.json")):
+        for text in [*texts, "5\u2009mai\u202f1999"]:  # thin spaces: never seen in training
+            ids, spans = t.encode(text)
+            assert 3 not in ids  # no UNK
+            assert spans == [(i, i + 1) for i in range(len(text))]  # one token per character
+            assert t.decode(ids) == " ".join(text.split())
+
+
 def test_epoch_batches_deterministic_cover_and_shard(char_tok):
     data, _ = encode_pairs(char_tok, PAIRS * 20)
     b1 = epoch_batches(data, seed=3, epoch=2, max_tokens=64)

@@ -1,6 +1,7 @@
 """Your own sentence pairs: a tab-separated text file, checked line by line before training.
 
-Format, one pair per line, UTF-8 (a leading byte-order mark and CRLF line ends are accepted)::
+Format, one pair per line, UTF-8 (a leading byte-order mark is accepted, and line ends of
+``\\n``, ``\\r\\n``, or ``\\r`` alone in a file that has no ``\\n``: an old Mac file)::
 
     source sentence<TAB>target sentence
     source sentence<TAB>target sentence<TAB>optional id
@@ -10,7 +11,9 @@ Format, one pair per line, UTF-8 (a leading byte-order mark and CRLF line ends a
 * Spaces around each field are stripped. There is no header line: a header would be read as
   a pair.
 * Bad lines are reported with their 1-based line number and a reason: blank line, no tab,
-  more than 3 columns, empty source or target, bytes that are not UTF-8, a repeated id.
+  more than 3 columns, empty source or target, bytes that are not UTF-8, a repeated id, a
+  carriage return (``\\r``) inside a line (``\\r`` line ends mixed with ``\\n`` ones: the lines
+  it ends would be joined into one pair).
 
 Example:
     >>> import pathlib, tempfile
@@ -83,7 +86,11 @@ def load_pairs(
     pairs: list[Pair] = []
     problems: list[Problem] = []
     first_line_of_id: dict[str, int] = {}
-    lines = path.read_bytes().split(b"\n")
+    data = path.read_bytes()
+    # A file with "\r" and no "\n" has old-Mac line ends: read as one line, its pairs ran
+    # together ("a<TAB>b\rc<TAB>d" became target "b\rc" and id "d"). A "\r" inside a line
+    # of a "\n" file is refused line by line (see _parse).
+    lines = data.split(b"\r" if b"\r" in data and b"\n" not in data else b"\n")
     if lines[-1] == b"":
         lines.pop()  # the file ends with a newline: no line after it
     for number, raw in enumerate(lines, start=1):
@@ -120,6 +127,11 @@ def _parse(
         line = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         return None, f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte {err.start + 1})"
+    if "\r" in line:
+        return None, (
+            "a carriage return (\\r) inside the line: old-Mac \\r line ends mixed with \\n "
+            "ones join lines; save the file with \\n line ends"
+        )
     if not line.strip():
         return None, "blank line"
     fields = [field.strip() for field in line.split("\t")]

@@ -13,9 +13,10 @@ A run directory::
         step-00001234/
           model.safetensors      parameters
           optimizer.safetensors  optimizer tensors (Adam moments) under flat names, RNG states
+                                 (torch, CUDA) of every process
           state.json             step, epoch, position in the epoch's batch order, elapsed
-                                 seconds, optimizer hyper-parameters, RNG states (Python, NumPy),
-                                 validation history
+                                 seconds, optimizer hyper-parameters, RNG states (Python, NumPy)
+                                 of every process, validation history
           manifest.json          written last: the step, and the size and SHA-256 of each file
 
 **Crashes.** Every file is written to a temporary name, flushed to disk and renamed over its
@@ -28,7 +29,13 @@ instant, a ``kill -9`` included, the folder ``LATEST`` names is complete, and a 
 manifest is never mistaken for one. Readers do not trust ``LATEST`` alone: a missing ``LATEST``,
 or one that names a missing or incomplete folder, falls back to the newest folder with a
 manifest. Leftovers (temporary files and folders, folders without a manifest) are removed when
-training starts or resumes, and after every checkpoint.
+training starts or resumes, and after every checkpoint. A complete folder can still be damaged
+later (a disk, a hand): whoever picks a checkpoint (:func:`resume_checkpoint`,
+:func:`intact_checkpoint`) skips a damaged one for the next, naming it on stderr.
+
+**Processes.** Under ``torchrun`` every process has its own random generators (its own dropout
+masks); a checkpoint keeps each process's (:func:`pack_rng_states`) and each restores its own
+(:func:`set_rng_state`).
 
 **Untrusted input.** Everything read from a run directory is checked before it is used:
 JSON and UTF-8, the keys and types of each JSON file, the tensor names, shapes and dtypes of
@@ -316,6 +323,35 @@ def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, info
 
 
+def pack_rng_states(states: list[tuple[dict[str, torch.Tensor], dict]]) -> tuple[dict, dict]:
+    """(tensors, json) of a checkpoint from the :func:`rng_state` of every process, by rank.
+
+    Process 0's keep the names a single process's have (tensors ``rng.torch``, ``rng.cuda.I``;
+    ``python`` and ``numpy`` in the json); process R's tensors are ``rng.rankR.torch`` and
+    ``rng.rankR.cuda.I``, its json ``ranks[R - 1]``; ``world_size`` is the number of processes.
+    """
+    tensors, info = states[0]
+    tensors, info = dict(tensors), {**info, "world_size": len(states), "ranks": []}
+    for rank, (own_tensors, own_info) in enumerate(states[1:], start=1):
+        tensors.update({f"rng.rank{rank}.{k[4:]}": t for k, t in own_tensors.items()})
+        info["ranks"].append(own_info)
+    return tensors, info
+
+
+def _rng_of(tensors: dict[str, torch.Tensor], info: dict, rank: int) -> tuple[dict, Any]:
+    """The :func:`rng_state` of process ``rank`` in a checkpoint's (tensors, json)."""
+    if rank == 0:
+        own = {k: t for k, t in tensors.items() if k.startswith("rng.")}
+        return {k: t for k, t in own.items() if not k.startswith("rng.rank")}, info
+    prefix = f"rng.rank{rank}."
+    own = {"rng." + k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
+    return own, info["ranks"][rank - 1]
+
+
+def _saved_world(info: dict) -> int:
+    return info.get("world_size", 1)  # (checkpoints before it: one process's states)
+
+
 def _python_state(info: dict):
     version, internal, gauss = info["python"]
     return version, tuple(internal), gauss
@@ -327,39 +363,79 @@ def _numpy_state(info: dict):
 
 
 def _check_rng(tensors: dict[str, torch.Tensor], info: Any, tensor_path, json_path) -> None:
-    """Raise unless the saved generator states can be restored (tried on throwaway generators)."""
-    if "rng.torch" not in tensors:
-        raise RunFileError(tensor_path, "has no 'rng.torch' tensor (the random generator state)")
+    """Raise unless the saved generator states of every process can be restored (tried on
+    throwaway generators)."""
     for name, t in tensors.items():
         if name.startswith("rng."):
             if t.dtype != torch.uint8 or t.dim() != 1:
                 raise RunFileError(tensor_path, f"tensor {name!r} is not a generator state")
-    try:
-        torch.Generator().set_state(tensors["rng.torch"])
-    except Exception as e:  # noqa: BLE001
-        raise RunFileError(
-            tensor_path, f"'rng.torch' is not a generator state ({_one_line(e)})"
-        ) from None
     if not isinstance(info, dict):
         raise RunFileError(json_path, "'rng' must be an object")
-    try:
-        random.Random().setstate(_python_state(info))
-        np.random.RandomState().set_state(_numpy_state(info))
-        if not all(is_int(x) for x in info["python"][1]):
-            raise TypeError("the Python state must be integers")
-    except Exception as e:  # noqa: BLE001 - whatever the generators reject
+    world, ranks = _saved_world(info), info.get("ranks", [])
+    if not (is_int(world) and world >= 1 and isinstance(ranks, list) and len(ranks) == world - 1):
         raise RunFileError(
-            json_path, f"'rng' does not hold valid Python / NumPy generator states ({_one_line(e)})"
-        ) from None
+            json_path,
+            f"'rng' must hold 'world_size' (an integer >= 1, got {world!r}) and, in 'ranks', the "
+            "generator states of the processes other than process 0 (one each)",
+        )
+    for rank in range(world):
+        own_tensors, own_info = _rng_of(tensors, info, rank)
+        name = "rng.torch" if rank == 0 else f"rng.rank{rank}.torch"
+        if "rng.torch" not in own_tensors:
+            raise RunFileError(
+                tensor_path,
+                f"has no {name!r} tensor (the random generator state of process {rank})",
+            )
+        try:
+            torch.Generator().set_state(own_tensors["rng.torch"])
+        except Exception as e:  # noqa: BLE001
+            raise RunFileError(
+                tensor_path, f"{name!r} is not a generator state ({_one_line(e)})"
+            ) from None
+        try:
+            random.Random().setstate(_python_state(own_info))
+            np.random.RandomState().set_state(_numpy_state(own_info))
+            if not all(is_int(x) for x in own_info["python"][1]):
+                raise TypeError("the Python state must be integers")
+        except Exception as e:  # noqa: BLE001 - whatever the generators reject
+            raise RunFileError(
+                json_path,
+                f"'rng' does not hold valid Python / NumPy generator states of process {rank} "
+                f"({_one_line(e)})",
+            ) from None
 
 
-def set_rng_state(tensors: dict[str, torch.Tensor], info: dict) -> None:
-    torch.set_rng_state(tensors["rng.torch"])
-    cuda = sorted(k for k in tensors if k.startswith("rng.cuda."))
+def set_rng_state(
+    tensors: dict[str, torch.Tensor], info: dict, *, rank: int = 0, world: int = 1
+) -> str | None:
+    """Restore process ``rank``'s generators (of ``world`` processes) from a checkpoint's
+    (checked) states; None, or a note saying what was done instead.
+
+    A checkpoint of as many processes gives each its own states back. One of another number
+    of processes cannot (whose would process 2 of 3 take, from a checkpoint of 2?); then, as
+    at the start of a run, every process restores the Python and NumPy generators of process
+    0 (seeded alike on every process) and seeds torch's (CPU and CUDA) with a number drawn from
+    the checkpoint and its rank: reproducible, different on each process, but not the
+    generators an uninterrupted run would have had. The note says so.
+    """
+    saved = _saved_world(info)
+    same = saved == world
+    own_tensors, own_info = _rng_of(tensors, info, rank if same else 0)
+    torch.set_rng_state(own_tensors["rng.torch"])
+    cuda = sorted(k for k in own_tensors if k.startswith("rng.cuda."))
     if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
-    random.setstate(_python_state(info))
-    np.random.set_state(_numpy_state(info))  # noqa: NPY002
+        torch.cuda.set_rng_state_all([own_tensors[k] for k in cuda])
+    random.setstate(_python_state(own_info))
+    np.random.set_state(_numpy_state(own_info))  # noqa: NPY002
+    if same:
+        return None
+    h = hashlib.sha256(own_tensors["rng.torch"].numpy().tobytes() + b"rank %d" % rank)
+    torch.manual_seed(int.from_bytes(h.digest()[:8], "little"))  # (CPU and every CUDA device)
+    return (
+        f"its random generators are those of {saved} process(es) and this run has {world}: "
+        "each process starts fresh ones, seeded from the checkpoint and its rank (dropout "
+        "masks differ between processes, as they should, but not as in an uninterrupted run)"
+    )
 
 
 def _plain(x):
@@ -463,6 +539,7 @@ def save_checkpoint(
     state: dict,
     *,
     keep: int = 1,
+    rng: list[tuple[dict[str, torch.Tensor], dict]] | None = None,
 ) -> Path:
     """Write a complete checkpoint folder, point ``LATEST`` at it, then delete older ones.
 
@@ -476,6 +553,7 @@ def save_checkpoint(
         optimizer: its optimizer.
         state: JSON-able training state (epoch, position, history, ...). RNG states are added.
         keep: how many checkpoint folders to keep (>= 1).
+        rng: the :func:`rng_state` of every process, by rank (default: this process's alone).
     """
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
@@ -496,7 +574,7 @@ def save_checkpoint(
         write(WEIGHTS, _tensor_bytes(model_state(model)))
         kill_point("checkpoint:writing")  # a half-written temporary folder
         opt_tensors, opt_info = _optimizer_tensors(optimizer)
-        rng_tensors, rng_info = rng_state()
+        rng_tensors, rng_info = pack_rng_states(rng if rng is not None else [rng_state()])
         write(OPTIMIZER, _tensor_bytes({**opt_tensors, **rng_tensors}))
         state = {**state, "optimizer": opt_info, "rng": rng_info}
         write(STATE, (json.dumps(state, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
@@ -649,13 +727,20 @@ def read_checkpoint_state(folder: str | os.PathLike[str]) -> dict:
 
 
 def load_checkpoint(
-    folder: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    folder: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rank: int = 0,
+    world: int = 1,
 ) -> dict:
     """Restore model, optimizer and RNG states from a checkpoint folder; return its state.
 
     Everything is read and checked first (checksums, tensor names, shapes, dtypes, finite
     values, the optimizer's groups, the generator states); only then is anything restored, so
     a damaged checkpoint raises :class:`RunFileError` and leaves model and optimizer untouched.
+    Process ``rank`` of ``world`` restores its own generators (:func:`set_rng_state`; what is
+    done for a checkpoint of another number of processes is said on stderr, by process 0).
     """
     folder = Path(folder)
     state, weights, tensors = _read_checkpoint(folder, model)
@@ -663,7 +748,9 @@ def load_checkpoint(
     # checked: now restore
     model.load_state_dict(weights, strict=False)
     optimizer.load_state_dict(_optimizer_state_dict(tensors, state.pop("optimizer")))
-    set_rng_state(tensors, state.pop("rng"))
+    note = set_rng_state(tensors, state.pop("rng"), rank=rank, world=world)
+    if note is not None and rank == 0:
+        print(f"note: checkpoint {folder.name}: {note}", file=sys.stderr)
     return state
 
 
@@ -673,6 +760,18 @@ def _read_checkpoint(
     """``(state, weights, optimizer and RNG tensors)`` of a checkpoint folder, every file
     checked (checksums, the state's keys, the weights against ``model``, the generator states);
     all but the optimizer's groups, which need the optimizer."""
+    state, blobs = _read_files(folder)
+    weights = load_tensors(folder / WEIGHTS, blobs[WEIGHTS])
+    check_model_tensors(model, weights, folder / WEIGHTS)
+    tensors = load_tensors(folder / OPTIMIZER, blobs[OPTIMIZER])
+    _check_rng(tensors, state["rng"], folder / OPTIMIZER, folder / STATE)
+    return state, weights, tensors
+
+
+def _read_files(folder: Path) -> tuple[dict, dict[str, bytes]]:
+    """``(state, bytes of each file)`` of a checkpoint folder: every file matches the checksum
+    in its manifest (a folder from before manifests has none), and the state reads and is
+    checked."""
     manifest = _read_manifest(folder)
     blobs = {}
     for fname in CHECKPOINT_FILES:
@@ -693,11 +792,35 @@ def _read_checkpoint(
         raise RunFileError(
             folder / STATE, f"step {state['step']} but {MANIFEST} says {manifest['step']}"
         )
-    weights = load_tensors(folder / WEIGHTS, blobs[WEIGHTS])
-    check_model_tensors(model, weights, folder / WEIGHTS)
-    tensors = load_tensors(folder / OPTIMIZER, blobs[OPTIMIZER])
-    _check_rng(tensors, state["rng"], folder / OPTIMIZER, folder / STATE)
-    return state, weights, tensors
+    return state, blobs
+
+
+def intact_checkpoint(
+    run_dir: str | os.PathLike[str], *, quiet: bool = False
+) -> tuple[Path, dict] | None:
+    """The newest checkpoint whose files read intact, and its checked state: ``(folder,
+    state)``, or None when the run has no checkpoint.
+
+    The checkpoint :func:`resume_checkpoint` will resume from, for what needs it before a
+    model exists (the step a resume starts at, the budget left) or without an optimizer (an
+    unfinished run's weights): tries :func:`checkpoint_folders` in order, each file against
+    its manifest's checksum; a damaged one is named on stderr (unless ``quiet``) and skipped
+    for the next. When every one is damaged, the first one's :class:`RunFileError` is raised.
+    (:func:`latest_checkpoint` reads no file: a damaged newest folder is still its answer.)
+    """
+    errors: list[RunFileError] = []
+    for folder in checkpoint_folders(run_dir):
+        try:
+            state, _ = _read_files(folder)
+        except RunFileError as e:
+            errors.append(e)
+            continue
+        for e in errors if not quiet else ():
+            print(f"note: skipped a damaged checkpoint: {e}; using {folder.name}", file=sys.stderr)
+        return folder, state
+    if errors:
+        raise errors[0]
+    return None
 
 
 def check_resumable(
@@ -730,22 +853,28 @@ def check_resumable(
 
 
 def resume_checkpoint(
-    run_dir: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    run_dir: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rank: int = 0,
+    world: int = 1,
 ) -> tuple[Path, dict] | None:
     """Load the newest usable checkpoint of a run: ``(folder, state)``, or None if it has none.
 
     Tries :func:`checkpoint_folders` in order; a damaged one is reported on stderr and skipped
     for the next. If every one is damaged, the first one's :class:`RunFileError` is raised: a
-    run with checkpoints never silently starts over.
+    run with checkpoints never silently starts over. ``rank`` and ``world``: see
+    :func:`load_checkpoint`.
     """
     errors: list[RunFileError] = []
     for folder in checkpoint_folders(run_dir):
         try:
-            state = load_checkpoint(folder, model, optimizer)
+            state = load_checkpoint(folder, model, optimizer, rank=rank, world=world)
         except RunFileError as e:
             errors.append(e)
             continue
-        for e in errors:
+        for e in errors if rank == 0 else ():
             print(
                 f"note: skipped a damaged checkpoint: {e}; resuming from {folder.name}",
                 file=sys.stderr,

@@ -456,10 +456,12 @@ def main(args: argparse.Namespace) -> int:
             log(f"[{n}/{len(variants)}] {variant}: done already")
             rows.append(_row(variant, done))
             continue
-        resume = variant in saved and ckpt.latest_checkpoint(run_dir) is not None
+        # (the checkpoint its training resumes from: a damaged newer one is named and skipped)
+        found = ckpt.intact_checkpoint(run_dir) if variant in saved else None
+        resume = found is not None
         if resume:  # interrupted: continue from its checkpoint, with its saved config
             config = saved[variant]
-            step = ckpt.read_checkpoint_state(ckpt.latest_checkpoint(run_dir)).get("step", 0)
+            step = found[1]["step"]
             log(f"[{n}/{len(variants)}] {variant}: resuming its training at step {step}")
         else:
             log(f"[{n}/{len(variants)}] {variant}: training ({budget_text})")

@@ -476,13 +476,15 @@ def main(args: argparse.Namespace) -> int:
             config["train"]["checkpoint_seconds"] = args.checkpoint_every * 60.0
         if args.beam_size:
             config.setdefault("decode", {})["beam_size"] = args.beam_size
-        latest = ckpt.latest_checkpoint(run_dir)
-        if latest is None:
+        # the checkpoint training will resume from: the newest that reads intact (a damaged
+        # newer one is named and skipped); every one damaged raises, naming the first
+        found = ckpt.intact_checkpoint(run_dir, quiet=not dist.main)
+        if found is None:
             log(f"note: {run_dir} has no checkpoint yet; starting its training from the beginning")
             args.resume = False
             done = done_so_far({})
         else:
-            done = done_so_far(ckpt.read_checkpoint_state(latest))  # checked; errors name it
+            done = done_so_far(found[1])
         new_budget = resume_budget(args, config, done, run_dir)
         finishing = not new_budget and bool(budget_reached(config["train"], done))
         start_step = done["steps"]

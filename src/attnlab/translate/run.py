@@ -201,14 +201,17 @@ class Translator:
         weights = self.run_dir / ckpt.WEIGHTS
         self.checkpoint_step: int | None = None  # (the final weights)
         self.finished = True
+        checkpoint = None  # (folder, state) of the checkpoint whose weights are loaded
         if not weights.is_file():
-            latest = ckpt.latest_checkpoint(self.run_dir)
-            if latest is None:
+            # an unfinished run: its newest checkpoint that reads intact (a damaged newer one
+            # is named and skipped, as a resume skips it)
+            checkpoint = ckpt.intact_checkpoint(self.run_dir)
+            if checkpoint is None:
                 raise UsageError(
                     f"{self.run_dir} has no trained weights yet; finish training with: "
                     f"attnlab train --out {self.run_dir} --resume"
                 )
-            weights = latest / ckpt.WEIGHTS  # an unfinished run: use its last checkpoint
+            weights = checkpoint[0] / ckpt.WEIGHTS
         tensors = ckpt.load_tensors(weights)
         need = _weights_bytes(self.config["model"], self.tokenizer.vocab_size)
         have = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -223,14 +226,14 @@ class Translator:
         ckpt.load_model_state(self.model, tensors, weights)
         self.model.to(self.device).eval()
         self.decode_options = dict(self.config.get("decode", {}))
-        if weights.parent != self.run_dir:  # (said once loaded: a damaged one said its error)
-            self._from_checkpoint(weights.parent)
+        if checkpoint is not None:  # (said once loaded: a damaged one said its error)
+            self._from_checkpoint(checkpoint[1])
 
-    def _from_checkpoint(self, folder: Path) -> None:
-        """Record and say that the weights are a checkpoint's, and how far training had got."""
+    def _from_checkpoint(self, state: dict) -> None:
+        """Record and say that the weights are a checkpoint's (``state``: its state.json), and
+        how far training had got."""
         from attnlab.translate.cmd_train import budget_reached, done_so_far
 
-        state = ckpt.read_checkpoint_state(folder)
         train = self.config["train"]
         self.checkpoint_step = int(state["step"])
         self.finished = budget_reached(train, done_so_far(state)) is not None

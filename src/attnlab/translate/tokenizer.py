@@ -8,7 +8,9 @@ through untranslated ("Abram", "1990") keep their ids.
   ever unknown and decoding gives back the text exactly (spaces included), which sacrebleu needs:
   BLEU and chrF are computed on detokenized text.
 * ``char``: one token per character, for the dates task (30-odd symbols, and attention maps that
-  read letter by letter).
+  read letter by letter). Every whitespace character (a tab, a no-break space U+00A0, an
+  ideographic space U+3000, a line break) is read as a plain space, in training and in encoding:
+  words it separates stay separate when decoded, and its token keeps its span.
 
 Both give the character span of every token (``offsets``), which maps subword attention back to
 the words of :func:`attnlab.data.words` for the alignment error rate.
@@ -162,9 +164,8 @@ class Tokenizer:
             # NFC may merge a letter and a combining accent; spans are kept in NFC positions,
             # which equal the original ones for text that is already NFC (nearly all text).
             for i, ch in enumerate(_normalize(text)):
-                if not ch.isspace() or ch == " ":
-                    ids.append(self._char_ids.get(ch, UNK))
-                    spans.append((i, i + 1))
+                ids.append(self._char_ids.get(ch, UNK))
+                spans.append((i, i + 1))
             return ids, spans
         enc = self._hf.encode(text, add_special_tokens=False)
         return list(enc.ids), [tuple(o) for o in enc.offsets]
@@ -196,4 +197,9 @@ class Tokenizer:
 
 
 def _normalize(text: str) -> str:
-    return unicodedata.normalize("NFC", text)
+    """NFC, and every whitespace character a plain space (one for one: spans keep their places).
+
+    A tab or a no-break space between two words was dropped, and the words came back glued
+    together ("10\u00a0mai" decoded as "10mai"); a space keeps them apart.
+    """
+    return "".join(" " if ch.isspace() else ch for ch in unicodedata.normalize("NFC", text))

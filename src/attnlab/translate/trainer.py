@@ -12,10 +12,10 @@ the step count, hence the result, depend on the machine's speed.
 
 **Resume.** A checkpoint holds the parameters, the optimizer's moments, the step, the epoch and
 the position in that epoch's batch order (which depends only on the seed and the epoch), and the
-torch / Python / NumPy random states; one is written every ``checkpoint_seconds`` of training
-(``attnlab train --checkpoint-every MIN``) and at the end. Restoring all of it makes a resumed
-run continue exactly as the uninterrupted one: the same batches, the same dropout masks,
-bit-identical parameters.
+torch / CUDA / Python / NumPy random states of every process; one is written every
+``checkpoint_seconds`` of training (``attnlab train --checkpoint-every MIN``) and at the end.
+Restoring all of it makes a resumed run continue exactly as the uninterrupted one: the same
+batches, the same dropout masks, bit-identical parameters.
 Ctrl-C (SIGINT) or SIGTERM finishes the current step, saves a checkpoint and stops; a second
 Ctrl-C stops at once. A ``kill -9`` or a power cut at any instant loses only the steps after the
 last complete checkpoint (:mod:`attnlab.translate.checkpoint` says why). On resume, ``train.log``
@@ -26,7 +26,10 @@ is rewritten to the validations the checkpoint knows, so none of the lost stretc
 each takes its share of every batch (:func:`attnlab.translate.batching.shard`) and scales its
 loss so that the averaged gradient is the gradient of the whole batch's mean token loss. Each
 step the processes agree on the elapsed time and on interruption (one small all-reduce), so
-they always stop at the same step; process 0 writes checkpoints and logs.
+they always stop, and checkpoint, at the same step; process 0 writes checkpoints (with every
+process's random states: each restores its own on resume) and logs. A checkpoint written by
+another number of processes cannot give each its own generators back: each then starts fresh
+ones, distinct per process, and says so (:func:`attnlab.translate.checkpoint.set_rng_state`).
 """
 
 from __future__ import annotations
@@ -210,17 +213,44 @@ class StopFlag:
 
 # ------------------------------------------------------------------------------ the loop
 class Diverged(ValueError):
-    """Training met a NaN or an infinity (in the loss or the weights). It stops at once and
-    saves nothing of it: the run folder keeps its last finite checkpoint, if any."""
+    """Training met a NaN or an infinity (in the loss, the weights or the optimizer's moments).
+    It stops at once and saves nothing of it: the run folder keeps its last finite checkpoint,
+    if any."""
+
+
+def _nonfinite(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    """What holds a NaN or an inf, in words: the weights, or the optimizer's state; None if
+    nothing does.
+
+    The state matters on its own: without clipping, a gradient of ~1e20 is finite but its
+    square is not (float32 ends at 3.4e38). Adam's ``exp_avg_sq`` becomes inf while its
+    ``exp_avg`` stays finite, so each update is ``exp_avg / sqrt(inf) = 0``: the loss and the
+    weights stay finite, the weights stop learning, and the checkpoint cannot be resumed.
+    """
+    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        return "the weights hold a NaN or an inf"
+    for state in optimizer.state.values():
+        for name, value in state.items():
+            if torch.is_tensor(value) and value.is_floating_point():
+                if not bool(torch.isfinite(value).all()):
+                    return (
+                        f"the optimizer's {name!r} holds a NaN or an inf (most likely a gradient "
+                        "whose square overflows float32), so the weights had stopped learning"
+                    )
+    return None
 
 
 def _diverged(what: str, state, lr: float, run_dir: Path, opts: TrainOptions) -> Diverged:
-    latest = ckpt.latest_checkpoint(run_dir)
-    kept = (
-        f"{run_dir} keeps its last checkpoint, step {ckpt.read_checkpoint_state(latest)['step']}"
-        if latest is not None
-        else f"{run_dir} has no checkpoint yet"
-    )
+    try:  # (the checkpoint a resume would take: a damaged newer one is not it)
+        found = ckpt.intact_checkpoint(run_dir, quiet=True)
+    except ckpt.RunFileError:  # every one damaged
+        kept = f"{run_dir} has no intact checkpoint"
+    else:
+        kept = (
+            f"{run_dir} keeps its last checkpoint, step {found[1]['step']}"
+            if found is not None
+            else f"{run_dir} has no checkpoint yet"
+        )
     # (options of `attnlab train`, with values that differ from this run's)
     clip = (
         f"--clip {opts.clip / 2:g} (this run clipped the gradient's norm to {opts.clip:g})"
@@ -275,6 +305,24 @@ def validation_loss(model, data: Encoded, device, max_tokens: int = 8192) -> flo
         count += b.num_tokens
     model.train(was_training)
     return total / max(1, count)
+
+
+def _gather_rng_states(dist: Dist) -> list[tuple[dict, dict]] | None:
+    """Every process's random generator states (:func:`ckpt.rng_state`), by rank, on process
+    0 (None on the others); all processes must call it together.
+
+    Each process draws its own dropout masks (its torch generator is seeded with seed + rank),
+    so a checkpoint keeps every one: restoring process 0's everywhere made all processes draw
+    the same masks after a resume. (Under NCCL the objects travel through the current CUDA
+    device, which :func:`attnlab.translate.pipeline.train_run` sets for each process.)"""
+    own = ckpt.rng_state()
+    if not dist.active:
+        return [own]
+    import torch.distributed as tdist
+
+    states = [None] * dist.world if dist.main else None
+    tdist.gather_object(own, states, dst=0)  # (pickled between this run's own processes)
+    return states
 
 
 def make_optimizer(model: torch.nn.Module, opts: TrainOptions) -> torch.optim.Optimizer:
@@ -335,8 +383,8 @@ def fit(
     state = TrainState()
     if dist.main:
         ckpt.clean_checkpoints(run_dir)  # leftovers of a crash: temporary and half-written files
-    if resume:
-        found = ckpt.resume_checkpoint(run_dir, model, optimizer)
+    if resume:  # (each process restores its own random generators)
+        found = ckpt.resume_checkpoint(run_dir, model, optimizer, rank=dist.rank, world=dist.world)
         if found is None:
             raise ValueError(f"{run_dir} has no checkpoint to resume from; train without --resume")
         _, saved = found
@@ -395,16 +443,21 @@ def fit(
     lr = opts.lr  # the last step's learning rate (said when training diverges)
 
     def save() -> None:
+        """A checkpoint, by every process at the same step: each sends its random generators'
+        states to process 0, which writes them with the rest."""
         nonlocal saved_step
         if saved_step == state.step:  # nothing new since the last one: skip
             return
-        # A finite loss can still end in weights of inf (an overflowing gradient): never saved
-        # over a finite checkpoint. (Every process checks: their weights are the same.)
-        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-            raise _diverged("the weights hold a NaN or an inf", state, lr, run_dir, opts)
+        # A finite loss can still end in weights, or Adam moments, of inf (an overflowing
+        # gradient): never saved over a finite checkpoint. (Every process checks: their
+        # weights and optimizer states are the same.)
+        bad = _nonfinite(model, optimizer)
+        if bad is not None:
+            raise _diverged(bad, state, lr, run_dir, opts)
         state.epochs_done = epochs_now()  # (a resume's --more-epochs counts from it)
+        rng = _gather_rng_states(dist)
         if dist.main:
-            ckpt.save_checkpoint(run_dir, state.step, model, optimizer, state.to_dict())
+            ckpt.save_checkpoint(run_dir, state.step, model, optimizer, state.to_dict(), rng=rng)
         saved_step = state.step
 
     def epochs_now() -> float:
@@ -512,12 +565,13 @@ def fit(
                 state.cpu_seconds = base_cpu + time.process_time() - cpu_start
                 tok_loss = float(loss_sum.detach()) / max(1, b.num_tokens)
                 bad = not math.isfinite(tok_loss)
-                if dist.active:  # (every process stops at the same step)
+                due = time.monotonic() - last_ckpt >= opts.checkpoint_seconds  # a checkpoint
+                if dist.active:  # (every process stops, and saves, at the same step)
                     import torch.distributed as tdist
 
-                    flag = torch.tensor(float(bad), device=device)
-                    tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
-                    bad = bool(flag > 0)
+                    flags = torch.tensor([float(bad), float(due)], device=device)
+                    tdist.all_reduce(flags, op=tdist.ReduceOp.MAX)
+                    bad, due = bool(flags[0] > 0), bool(flags[1] > 0)
                 if bad:  # (its weights, stepped on a NaN, are not saved: see save)
                     raise _diverged(f"the training loss is {tok_loss}", state, lr, run_dir, opts)
                 smooth_loss = (
@@ -533,7 +587,7 @@ def fit(
                 if progress() >= next_eval:
                     next_eval += opts.eval_every
                     validate()
-                if time.monotonic() - last_ckpt >= opts.checkpoint_seconds:
+                if due:
                     save()  # a kill loses at most checkpoint_seconds of training
                     last_ckpt = time.monotonic()
             if interrupted or finished:
