@@ -141,6 +141,20 @@ def test_meaningless_numbers_are_refused_before_anything_is_written(
         (["--model", "transformer", "--heads", "5"], "--heads 5 does not divide"),
         (["--model", "rnn", "--attention", "multihead", "--heads", "5"], "--heads 5"),
         (["--model", "transformer", "--kv-heads", "3"], "--kv-heads 3 does not divide --heads 4"),
+        # (before: gqa silently took 2 kv heads, or trained multi-head attention labelled gqa,
+        # and multihead with --kv-heads 2 was relabelled gqa)
+        (
+            ["--model", "transformer", "--attention", "gqa", "--heads", "4", "--kv-heads", "4"],
+            "gqa (grouped-query) needs",
+        ),
+        (
+            ["--model", "transformer", "--attention", "gqa", "--heads", "1"],
+            "Fix: --heads 2 or more",
+        ),
+        (
+            ["--model", "transformer", "--attention", "multihead", "--kv-heads", "2"],
+            "Fix: --attention gqa --kv-heads 2",
+        ),
         (["--heads", "4"], "--heads 4 applies to --attention multihead"),
         (["--tokenizer", "char", "--vocab-size", "100"], "--vocab-size 100 applies to"),
         (["--size", "base", "--tiny"], "--tiny"),

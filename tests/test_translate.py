@@ -561,3 +561,13 @@ def test_the_reported_best_head_is_chosen_on_validation_and_a_limit_is_said(tmp_
     assert al["best_head"]["chosen_on"] == f"validation ({len(chosen):,} pairs)"
     assert al["best_head"]["aer_referenced"] == al["heads"][best]["aer_referenced"]
     assert f"best head {best} (chosen on validation" in printed
+
+
+def test_kv_heads_given_are_the_kv_heads_built():
+    # before: --attention gqa --kv-heads K took heads // 2 whenever K equalled the preset's
+    from attnlab.translate.models import model_config
+
+    assert model_config("transformer", "gqa", "small", heads=4, kv_heads=1)["kv_heads"] == 1
+    assert model_config("transformer", "gqa", "small", heads=8)["kv_heads"] == 4  # the default
+    alone = model_config("transformer", None, "small", heads=4, kv_heads=2)  # asks for gqa
+    assert (alone["attention"], alone["kv_heads"]) == ("gqa", 2)

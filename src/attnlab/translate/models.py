@@ -29,6 +29,7 @@ from attnlab.translate.transformer import TransformerSeq2Seq
 
 def model_config(model: str, attention: str | None, size: str = "small", **overrides) -> dict:
     """The config dict of a model: kind, attention and widths (non-None ``overrides`` win)."""
+    asked = attention  # (None: the default, which --kv-heads alone makes gqa)
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; expected one of {MODELS}")
     if size not in SIZES[model]:
@@ -53,11 +54,36 @@ def model_config(model: str, attention: str | None, size: str = "small", **overr
         if value is not None:
             cfg[key] = value
     if model == "transformer":
-        if attention == "gqa" and cfg.get("kv_heads") in (None, cfg["heads"]):
-            cfg["kv_heads"] = max(1, cfg["heads"] // 2)
-        if attention == "multihead" and cfg.get("kv_heads") not in (None, cfg["heads"]):
-            cfg["attention"] = "gqa"
+        _grouped_heads(cfg, asked, overrides.get("kv_heads"))
     return cfg
+
+
+def _grouped_heads(cfg: dict, asked: str | None, kv_heads: int | None) -> None:
+    """Settle ``kv_heads`` and the attention's name of a Transformer config, in place: gqa
+    without ``--kv-heads`` takes half the heads; an option is never overridden, and a
+    combination that is not what it says (gqa with as many kv heads as heads, multihead with
+    fewer) is refused with the fix."""
+    heads = cfg["heads"]
+    if cfg["attention"] == "gqa":
+        if kv_heads is None:
+            cfg["kv_heads"] = max(1, heads // 2)
+        if cfg["kv_heads"] == heads:
+            raise ValueError(
+                f"--attention gqa (grouped-query) needs fewer key/value heads than heads; got "
+                f"--heads {heads} with {cfg['kv_heads']} key/value head(s), which is multi-head "
+                "attention. Fix: "
+                + (f"--kv-heads K with K < {heads} dividing {heads}" if heads > 1 else
+                   "--heads 2 or more (gqa then takes half as many key/value heads)")
+                + ", or --attention multihead"
+            )  # fmt: skip
+    elif kv_heads is not None and kv_heads != heads:
+        if asked == "multihead":
+            raise ValueError(
+                f"--attention multihead has as many key/value heads as heads ({heads}); got "
+                f"--kv-heads {kv_heads}. Fix: --attention gqa --kv-heads {kv_heads}, or drop "
+                "--kv-heads"
+            )
+        cfg["attention"] = "gqa"  # (--kv-heads alone asks for grouped-query heads)
 
 
 def build_model(config: dict, vocab_size: int) -> nn.Module:
