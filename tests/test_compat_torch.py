@@ -645,3 +645,12 @@ def test_a_float_mask_out_of_the_inputs_range_is_refused_not_made_dead(dtype, wh
         expected, _ = theirs(q, k, v, **{which: mask}, need_weights=False)
         got, _ = ours(q, k, v, **{which: mask}, need_weights=False)
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_is_causal_without_a_mask_raises_torchs_type_and_attnlabs():
+    # from a review: a bare RuntimeError, which `except ValueError` (attnlab's rule) missed
+    mha = MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(1, 3, 8)
+    for kind in (ValueError, RuntimeError):
+        with pytest.raises(kind, match="is_causal=True is a hint"):
+            mha(x, x, x, is_causal=True)

@@ -258,3 +258,16 @@ def test_the_fast_check_accepts_nothing_the_full_checks_refuse(monkeypatch):
             _checks.check_qkv(q, k, v)  # the full checks: must not raise
             monkeypatch.setattr(_checks, "qkv_fit_shapes", fast)
     assert accepted >= 19 and refused > 1000, (accepted, refused)  # (19 fit, as written)
+
+
+def test_additive_attention_gives_each_shape_problem_its_own_fix():
+    # from a review: grouped-query heads were told to fix their projection widths
+    q, k = torch.randn(2, 4, 3, 6), torch.randn(2, 2, 5, 6)
+    w, w_score = torch.randn(7, 6), torch.randn(7)
+    with pytest.raises(ValueError) as err:
+        AF.additive_attention(q, k, k, w, w, w_score)
+    assert "repeat_interleave(H // Hkv, dim=-3)" in str(err.value)
+    assert "W_q maps" not in str(err.value)
+    with pytest.raises(ValueError) as err:
+        AF.additive_attention(q, q, q, torch.randn(7, 5), w, w_score)
+    assert "W_q maps" in str(err.value) and "repeat_interleave" not in str(err.value)

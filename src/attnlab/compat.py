@@ -320,8 +320,8 @@ class MultiheadAttention(nn.Module):
                     UserWarning,
                     stacklevel=3,
                 )
-        if is_causal and attn_mask is None:
-            raise RuntimeError(
+        if is_causal and attn_mask is None:  # (torch: RuntimeError; attnlab: ValueError)
+            raise RuntimeShapeError(
                 "is_causal=True is a hint that attn_mask is causal, and needs attn_mask. Fix: "
                 "pass attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(L) (or "
                 "the bool torch.ones(L, L, dtype=torch.bool).triu(1), True = masked)."

@@ -284,25 +284,34 @@ def _check_additive_shapes(query, key, w_query, w_key, w_score, bias) -> None:
             )
     if A is not None and bias is not None and bias.shape != (A,):
         problems.append(f"bias must be (A,) = ({A},), got {tuple(bias.shape)}")
+    fixes = []
+    if problems:
+        fixes.append(
+            "W_q maps queries (width Dq) and W_k keys (width Dk) to the attention width A, and "
+            "w_score reduces A to one score"
+        )
     if query.dim() < 2 or key.dim() != query.dim():
         problems.append(
             f"query (..., L, Dq) and key (..., S, Dk) need the same number of dims (>= 2), got "
             f"{tuple(query.shape)} and {tuple(key.shape)}"
         )
+        fixes.append("give key the query's leading dims, e.g. (B, H, S, Dk) for (B, H, L, Dq)")
     else:
         try:
             broadcast_shapes(query.shape[:-2], key.shape[:-2])
         except RuntimeError:
             problems.append(
-                f"query and key leading dims must match, got {tuple(query.shape)} and "
-                f"{tuple(key.shape)}"
+                f"query and key leading dims must match (or broadcast), got "
+                f"{tuple(query.shape)} and {tuple(key.shape)}"
+            )
+            fixes.append(
+                "additive attention pairs every query with the keys of the same leading index "
+                "(no grouped-query heads): with H query heads and Hkv kv heads, repeat the "
+                "key and value heads, key.repeat_interleave(H // Hkv, dim=-3)"
             )
     if problems:
         raise ValueError(
-            "additive attention: "
-            + "; ".join(problems)
-            + ". Fix: W_q maps queries (width Dq) and W_k keys (width Dk) to the attention "
-            "width A, and w_score reduces A to one score."
+            "additive attention: " + "; ".join(problems) + ". Fix: " + "; ".join(fixes) + "."
         )
 
 
