@@ -105,12 +105,15 @@ def qkv(B, H, L, E, device, dtype, grad=False, Hkv=None):
 
 
 def copy_bandwidth(nbytes: int, device: str, rounds: int) -> float:
-    """Bytes per second of a device-to-device copy of ``nbytes`` (read + write counted once:
-    the rate at which a result of that size can be written)."""
+    """Bytes per second of a device-to-device copy of ``nbytes``, counting the bytes read and
+    the bytes written (2 ``nbytes``), as a device's copy bandwidth is stated: writing the
+    weights (``nbytes``) takes ``nbytes`` over it, half a copy's time. (Counted once, as
+    before 2026-11-29, the bound credited a whole copy, read and write, to writing the weights:
+    2x too generous, the per-head figures of earlier logs x1.5-1.9 too low.)"""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     t = round_robin({"copy": lambda: dst.copy_(src)}, device, rounds)["copy"]
-    return nbytes / t
+    return 2 * nbytes / t
 
 
 def bench_weights(args) -> None:
@@ -307,7 +310,9 @@ def bench_padding(args) -> None:
                 is_causal = "top_left" if causal else False
                 grad = torch.randn_like(q)
                 path = attnlab.explain(q, k, v, pad, is_causal=is_causal).path
-                dense_mask = dense & _tril(L, causal, q.device)  # built once, not timed
+                # built once, not timed; (B, 1, 1, S) as labelled unless causal (& a
+                # (L, L) triangle: (B, 1, L, S)); before, & ones(L, L) made it (B, 1, L, S)
+                dense_mask = dense & _tril(L, q.device) if causal else dense
 
                 step = _stepper(train, grad)
                 cases = {
@@ -432,9 +437,7 @@ def _on_kernels(q, k, v, pad, is_causal):
         _dispatch.SDPA_SERVES_PADDING_ON, flex_padding.SERVES_ON = kept
 
 
-def _tril(L, causal, device):
-    if not causal:
-        return torch.ones(L, L, dtype=torch.bool, device=device)
+def _tril(L, device):
     return torch.ones(L, L, dtype=torch.bool, device=device).tril()
 
 
