@@ -222,16 +222,8 @@ def test_resume_skips_a_damaged_checkpoint_for_an_older_complete_one(reference, 
     """Two complete folders (a crash between rename and clean-up); the newer one damaged."""
     out = tmp_path / "run"
     shutil.copytree(reference, out)
-    root = out / ckpt.CHECKPOINTS
-    good = ckpt.latest_checkpoint(out)
-    newer = root / f"{good.name}.1"
-    shutil.copytree(good, newer)
-    manifest = json.loads((newer / ckpt.MANIFEST).read_text())
-    manifest["saved_ns"] += 1
-    (newer / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    newer = newer_copy(out)
     (newer / ckpt.OPTIMIZER).write_bytes(b"\0" * 100)
-    (root / ckpt.LATEST).write_text(newer.name)
-    assert ckpt.latest_checkpoint(out) == newer
     capsys.readouterr()
     train_in_process("--out", str(out), "--resume", "--more-steps", "1")
     err = capsys.readouterr().err
@@ -239,9 +231,9 @@ def test_resume_skips_a_damaged_checkpoint_for_an_older_complete_one(reference, 
     assert ckpt.read_checkpoint_state(ckpt.latest_checkpoint(out))["step"] == STEPS + 1
 
 
-def newer_copy_with_a_damaged_state(run_dir: Path, damage: str) -> Path:
+def newer_copy(run_dir: Path) -> Path:
     """A complete copy of the run's checkpoint saved after it (a crash between rename and
-    clean-up leaves two), named by LATEST, whose state.json is then damaged."""
+    clean-up leaves two), named by LATEST: the one a resume tries first."""
     root = run_dir / ckpt.CHECKPOINTS
     good = ckpt.latest_checkpoint(run_dir)
     newer = root / f"{good.name}.1"
@@ -249,13 +241,19 @@ def newer_copy_with_a_damaged_state(run_dir: Path, damage: str) -> Path:
     manifest = json.loads((newer / ckpt.MANIFEST).read_text())
     manifest["saved_ns"] += 1
     (newer / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    (root / ckpt.LATEST).write_text(newer.name)
+    assert ckpt.latest_checkpoint(run_dir) == newer
+    return newer
+
+
+def newer_copy_with_a_damaged_state(run_dir: Path, damage: str) -> Path:
+    """:func:`newer_copy`, whose state.json is then damaged."""
+    newer = newer_copy(run_dir)
     state = (newer / ckpt.STATE).read_text()
     if damage == "truncated":  # cut short: not JSON
         (newer / ckpt.STATE).write_text(state[: len(state) // 2])
     else:  # still JSON, but not what was saved (its checksum says so)
         (newer / ckpt.STATE).write_text(state.replace(f'"step": {STEPS}', '"step": 99', 1))
-    (root / ckpt.LATEST).write_text(newer.name)
-    assert ckpt.latest_checkpoint(run_dir) == newer
     return newer
 
 
