@@ -204,6 +204,30 @@ def test_long_movement_titles_are_wrapped_inside_the_figure():
     assert inside(fig, fig.axes[0].title)
 
 
+def test_long_heatmap_titles_are_wrapped_inside_the_figure():
+    from attnlab.viz import heatmap
+
+    title = (
+        "my-fine-tuned-bert-base-multilingual-cased-checkpoint-12000 · layer 3 · mean of heads "
+        "on “the river bank was flooded after the storm”"
+    )
+    w = np.full((4, 4), 0.25)
+    for fig in (
+        heatmap.plot_attention(w, list("abcd"), title=title),
+        heatmap.plot_alignment(w, list("abcd"), list("wxyz"), title=title),
+    ):
+        text = fig.axes[0].title
+        assert inside(fig, text) and text.get_text().count("\n") >= 1
+        assert "".join(text.get_text().split()) == "".join(title.split())  # no word lost
+    tokens = [f"t{i}" for i in range(40)]
+    grid = heatmap.plot_attention_grid(np.full((2, 2, 40, 40), 1 / 40), tokens, title=title)
+    assert inside(grid, grid._suptitle) and grid._suptitle.get_text().count("\n") >= 1
+    grid.canvas.draw()
+    renderer = grid.canvas.get_renderer()
+    lowest = grid._suptitle.get_window_extent(renderer).y0
+    assert all(ax.get_window_extent(renderer).y1 <= lowest for ax in grid.axes[:1])
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. the focus word
 

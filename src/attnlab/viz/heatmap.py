@@ -25,7 +25,7 @@ from ._arrays import (
     layer_stack,
     short,
 )
-from ._mpl import SAVE_DPI, figure_and_axes, literal_text, new_figure
+from ._mpl import SAVE_DPI, figure_and_axes, literal_text, new_figure, set_wrapped_title, wrap_text
 from .aside import aside_note, set_aside
 
 __all__ = ["plot_attention", "plot_attention_grid", "plot_alignment"]
@@ -177,7 +177,7 @@ def plot_attention(
     ax.set_xlabel("key: attended to")
     ax.set_ylabel("query: attending")
     if title:
-        ax.set_title(title)
+        set_wrapped_title(ax, title)
     if annotate is None:
         annotate = L <= 16 and S <= 16
     if annotate:
@@ -279,9 +279,15 @@ def plot_attention_grid(
     # (a panel averaged down has cells of several)
     labelled = max(L, S_shown) <= 24 and (pl, ps) == (L, S_shown)
     left, right = (1.1 if labelled else 0.3), 1.9
-    heading_lines = (title or "").count("\n") + bool(title) + bool(note)
+    width = left + ncols * thumb + right
+    shrunk = ""
+    if max(L, S_shown) > max_cells:
+        shrunk = f" (each panel averaged down from {L} x {S_shown} to {pl} x {ps} cells)"
+    heading = "\n".join(x for x in ((title or "") + shrunk, note) if x)
+    heading = wrap_text(heading, width - 0.2, 10) if heading else ""  # (the figure's width)
+    heading_lines = heading.count("\n") + 1 if heading else 0
     top_in, bottom = 0.45 + 0.2 * heading_lines, (0.9 if labelled else 0.3)
-    width, height = left + ncols * thumb + right, top_in + n_layers * thumb + bottom
+    height = top_in + n_layers * thumb + bottom
     fig = new_figure(width, height)
     ax = fig.add_axes(
         (left / width, bottom / height, ncols * thumb / width, n_layers * thumb / height)
@@ -335,10 +341,6 @@ def plot_attention_grid(
         (1 - (right - 0.95) / width, 1 - (top_in + bar) / height, 0.16 / width, bar / height)
     )
     fig.colorbar(image, cax=cax, label="attention weight")
-    shrunk = ""
-    if max(L, S_shown) > max_cells:
-        shrunk = f" (each panel averaged down from {L} x {S_shown} to {pl} x {ps} cells)"
-    heading = "\n".join(x for x in ((title or "") + shrunk, note) if x)
     if heading:
         fig.suptitle(heading, y=1 - 0.12 / height, va="top", fontsize=10)
     return fig
@@ -486,6 +488,6 @@ def plot_alignment(
             frameon=False,
         )
     if title:
-        ax.set_title(title)
+        set_wrapped_title(ax, title)
     fig.colorbar(image, ax=ax, label="attention weight", shrink=0.8)
     return fig
