@@ -571,3 +571,21 @@ def test_kv_heads_given_are_the_kv_heads_built():
     assert model_config("transformer", "gqa", "small", heads=8)["kv_heads"] == 4  # the default
     alone = model_config("transformer", None, "small", heads=4, kv_heads=2)  # asks for gqa
     assert (alone["attention"], alone["kv_heads"]) == ("gqa", 2)
+
+
+def test_bleu_tokenizes_unspaced_scripts_as_sacrebleu_does_for_their_language():
+    # from a review: 13a always, so a near-perfect Chinese translation scored BLEU 0.0
+    import sacrebleu
+
+    from attnlab.translate.metrics import bleu_chrf, bleu_tokenizer
+
+    refs = ["我们明天去北京看长城。", "他每天早上喝一杯咖啡。", "这本书非常有意思。"]
+    hyps = ["我们明天去北京看长城。", "他每天早上喝咖啡。", "这本书很有意思。"]
+    got = bleu_chrf(hyps, refs)
+    want = sacrebleu.BLEU(tokenize="zh").corpus_score(hyps, [refs]).score
+    assert got["bleu"] == round(want, 2) > 40 and "tok:zh" in got["bleu_signature"]
+    assert bleu_tokenizer(["明日は東京へ行きます。"]) == "char"  # kana: Japanese
+    assert bleu_tokenizer(["ฉันไปตลาดทุกวัน"]) == "char"  # Thai
+    assert bleu_tokenizer(["Der Hund schläft.", "나는 학교에 간다."]) == "13a"  # spaced scripts
+    latin = bleu_chrf(["the cat sat"], ["the cat sat down"])
+    assert "tok:13a" in latin["bleu_signature"]

@@ -27,12 +27,48 @@ import numpy as np
 from attnlab.data import Alignment, attention_to_links, corpus_aer, keep_referenced
 from attnlab.data.text import word_spans
 
+# scripts written without spaces between words: (first, last) code points
+_HAN = ((0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0x20000, 0x2FA1F))
+_KANA = ((0x3040, 0x30FF), (0x31F0, 0x31FF), (0xFF66, 0xFF9F))
+_OTHER_UNSPACED = (
+    (0x0E00, 0x0EFF),
+    (0x1000, 0x109F),
+    (0x1780, 0x17FF),
+)  # Thai, Lao, Myanmar, Khmer
+
+
+def _share(letters: list[str], ranges) -> float:
+    return sum(any(a <= ord(ch) <= b for a, b in ranges) for ch in letters) / len(letters)
+
+
+def bleu_tokenizer(references: list[str]) -> str:
+    """The sacrebleu tokenizer BLEU needs for these references, as sacrebleu's command line
+    picks one by the target language (attnlab reads the script instead: a ``--data`` file
+    names no language).
+
+    ``13a`` (sacrebleu's default, WMT's) splits at spaces and punctuation: a language written
+    without spaces would be one token per sentence, and BLEU ~0 for near-perfect translations.
+    Where most letters are Chinese characters: ``zh`` (each character a token, as WMT scores
+    Chinese); where Japanese kana or Thai, Lao, Khmer or Myanmar letters are common: ``char``
+    (every character; ``ja-mecab`` would need MeCab). chrF counts characters whatever the
+    script.
+    """
+    letters = [ch for r in references for ch in r if ch.isalpha()]
+    if not letters:
+        return "13a"
+    han, kana = _share(letters, _HAN), _share(letters, _KANA)
+    other = _share(letters, _OTHER_UNSPACED)
+    if han + kana + other < 0.5:
+        return "13a"
+    return "zh" if kana < 0.1 and han >= other else "char"
+
 
 def bleu_chrf(hypotheses: list[str], references: list[str]) -> dict:
-    """Corpus BLEU and chrF (sacrebleu defaults: 13a tokenization, chrF with n=6, beta=2)."""
+    """Corpus BLEU and chrF (sacrebleu: BLEU tokenized by :func:`bleu_tokenizer`, ``13a``
+    for spaced scripts; chrF with n=6, beta=2); the signatures say which."""
     import sacrebleu
 
-    bleu = sacrebleu.BLEU()
+    bleu = sacrebleu.BLEU(tokenize=bleu_tokenizer(references))
     chrf = sacrebleu.CHRF()
     b = bleu.corpus_score(hypotheses, [references])
     c = chrf.corpus_score(hypotheses, [references])
