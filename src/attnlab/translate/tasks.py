@@ -203,7 +203,8 @@ def task_spec(task: str, data: str | None, skip_bad_lines: bool, train_size: int
 def dates_alignments(pairs) -> dict[str, Alignment]:
     """Reference links ``(source word, target character)`` of date pairs (module docstring).
 
-    Pairs whose fields cannot be located unambiguously get no entry (none in practice).
+    Pairs whose fields cannot be located unambiguously get no entry (rare: a weekday spelt as
+    the month, Spanish "mar 24 mar 2037", martes and marzo).
     """
     from babel.dates import get_month_names
 
@@ -223,13 +224,13 @@ def dates_alignments(pairs) -> dict[str, Alignment]:
         year_at = [i for i, w in enumerate(ws) if w.isdigit() and int(w) == year and len(w) == 4]
         month_at = [i for i, w in enumerate(ws) if w.casefold().rstrip(".") in names]
         numbers = [i for i, w in enumerate(ws) if w.isdigit() and i not in year_at]
-        if len(year_at) != 1:
+        if len(year_at) != 1 or len(month_at) > 1:  # (several month words: which is it?)
             continue
         if month_at:  # the month is a word: the day is the one other number
             day_at = [i for i in numbers if int(ws[i]) == day]
             if len(day_at) != 1:
                 continue
-            d, m = day_at[0], month_at[0]
+            d, m = day_at[0], month_at[0]  # (the one month word)
         elif len(numbers) == 2:  # numeric styles are day-first in every locale drawn
             d, m = numbers
             if (int(ws[d]), int(ws[m])) != (day, month):
