@@ -143,6 +143,29 @@ def test_the_layer_is_called_as_itself_where_the_order_could_show(monkeypatch, t
         assert len(called) == 2  # (the hook saw the call through few_rows.linear too)
 
 
+@pytest.mark.parametrize("transform", ["vmap", "jvp", "dual"])
+def test_torch_func_and_forward_mode_ad_call_the_layer_as_itself(monkeypatch, taken, transform):
+    # from a review: they took the weight-major order, which the docstring excludes (autograd
+    # records there, through wrapped or dual tensors no requires_grad shows)
+    import torch.autograd.forward_ad as fwAD
+
+    monkeypatch.setenv(ENV, "weight-major")
+    mod, x, t = layer(), torch.randn(2, 40), torch.randn(2, 40)
+    mod.requires_grad_(False)
+    with torch.no_grad():
+        if transform == "vmap":
+            got = torch.func.vmap(lambda r: few_rows.linear(mod, r[None]))(x)[:, 0]
+        elif transform == "jvp":
+            got = torch.func.jvp(lambda r: few_rows.linear(mod, r), (x,), (t,))[0]
+        else:
+            with fwAD.dual_level():
+                got = fwAD.unpack_dual(few_rows.linear(mod, fwAD.make_dual(x, t))).primal
+    assert taken[0] == 0
+    torch.testing.assert_close(got, mod(x), rtol=0, atol=0)
+    few_rows.linear(mod, x)  # (outside them: the weight-major order, as set)
+    assert taken[0] == 1
+
+
 @pytest.mark.parametrize("case", ["0-d input", "wrong width", "no outputs", "broadcast bias"])
 def test_sizes_the_layer_refuses_or_broadcasts_keep_its_own_answer(monkeypatch, taken, case):
     monkeypatch.setenv(ENV, "weight-major")

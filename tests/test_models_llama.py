@@ -520,3 +520,26 @@ def test_generate_refuses_a_static_cache_too_small_before_any_work():
         model.generate(prompt, 8, cache=cache)
     assert cache.get_seq_length(0) == 0  # nothing written
     assert model.generate(prompt, 6, cache=cache).shape == (1, 11)  # 5 + 5 written: fits
+
+
+def test_generate_stops_at_any_of_several_eos_ids_and_names_a_headless_model():
+    # from a review: a list (as Llama 3 configs hold) crashed in masked_fill; a headless
+    # transformers.LlamaModel raised "no attribute 'model'"
+    hf_model = tiny(transformers.LlamaForCausalLM, transformers.LlamaConfig)
+    ours = LlamaModel.from_hf(hf_model)
+    ids, _ = padded_batch(120, [6, 6])
+    free = ours.generate(ids, 8)  # greedy, no stopping
+    stops = {int(free[0, 8]), int(free[1, 10])}  # row 0's 3rd new token, row 1's 5th
+    want, ends = free.clone(), []
+    for row in want:  # each row stops at its first new token that is one of them, repeated
+        ends.append(next(i for i in range(6, 14) if int(row[i]) in stops))
+        row[ends[-1] :] = row[ends[-1]]
+    want = want[:, : max(ends) + 1]  # (generation ends when every row has stopped)
+    assert want.shape[1] < free.shape[1] and len({int(want[0, -1]), int(want[1, -1])}) == 2
+    for eos in (sorted(stops), tuple(stops), torch.tensor(sorted(stops))):
+        assert torch.equal(ours.generate(ids, 8, eos_token_id=eos), want)
+    for bad in ([], [1.5], True):
+        with pytest.raises(TypeError, match="eos_token_id must be a token id"):
+            ours.generate(ids, 2, eos_token_id=bad)
+    with pytest.raises(ValueError, match="AutoModelForCausalLM"):
+        LlamaModel.from_hf(hf_model.model)

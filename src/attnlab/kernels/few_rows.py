@@ -36,13 +36,13 @@ costs).
 
 It applies only where nothing else could notice: plain CPU tensors (no subclass) with 2 to
 :data:`FEW_ROWS` rows, of the sizes the layer takes; no autograd recording (training, bias-only
-too, keeps ``F.linear``, so a resumed run repeats an uninterrupted one bit for bit); no
-autocast, no torch function or dispatch mode (FakeTensorMode, make_fx, a default device), no
-``torch.jit.trace``; a module that is exactly ``nn.Linear``, with no hooks and its own
-``forward``: a replaced or wrapped one (LoRA, quantized, parametrized, accelerate's hooks) is
-called as itself; and, inside torch.compile, a graph of fixed sizes (:func:`fixed_sizes`: the
-compiled decode step, :class:`attnlab.models.DecodeStep`, with ``dynamic=False``, its
-default).
+too, keeps ``F.linear``, so a resumed run repeats an uninterrupted one bit for bit), no
+``torch.func`` transform or forward-mode AD; no autocast, no torch function or dispatch mode
+(FakeTensorMode, make_fx, a default device), no ``torch.jit.trace``; a module that is exactly
+``nn.Linear``, with no hooks and its own ``forward``: a replaced or wrapped one (LoRA,
+quantized, parametrized, accelerate's hooks) is called as itself; and, inside torch.compile, a
+graph of fixed sizes (:func:`fixed_sizes`: the compiled decode step,
+:class:`attnlab.models.DecodeStep`, with ``dynamic=False``, its default).
 
 ``ATTNLAB_CPU_FEW_ROWS_PRODUCT``: ``measure`` (the default), ``linear`` (always ``F.linear``:
 results that repeat bit for bit across processes and machines with the same BLAS) or
@@ -58,8 +58,10 @@ import threading
 import time
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 from torch import nn
+from torch._C._functorch import peek_interpreter_stack as _peek_transform
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -104,6 +106,10 @@ def _plain(module: nn.Module, x: torch.Tensor) -> bool:
         return False
     if torch.jit.is_tracing():  # (a trace keeps the ranks and sizes it saw)
         return False
+    if not torch.compiler.is_compiling() and (
+        _peek_transform() is not None or _forward_ad._current_level >= 0
+    ):  # (dynamo cannot read the interpreter stack: a graph's sizes decide there, below)
+        return False  # (torch.func transforms, forward-mode AD: autograd that no flag shows)
     if any(getattr(module, name) for name in _HOOKS):
         return False
     if any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS):

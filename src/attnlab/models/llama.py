@@ -23,6 +23,8 @@ Normalization", 2019; Shazeer, "GLU Variants Improve Transformer", 2020.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +133,27 @@ def _check_hf_config(config) -> None:
             f"model itself on attnlab's attention, with attn_implementation='attnlab' "
             f"(attnlab.integrations.transformers)."
         )
+
+
+def _eos_ids(eos_token_id, device) -> torch.Tensor | None:
+    """``generate``'s end-of-sequence ids as a 1-D tensor (None: no stopping): one id, or
+    several (Hugging Face configs hold a list: Llama 3's two)."""
+    if eos_token_id is None:
+        return None
+    ids = eos_token_id
+    if isinstance(ids, torch.Tensor):
+        ids = ids.tolist()
+    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    try:
+        if not ids or any(isinstance(i, bool) for i in ids):
+            raise TypeError
+        ids = [operator.index(i) for i in ids]
+    except TypeError:
+        raise TypeError(
+            f"eos_token_id must be a token id or a non-empty list of them; got {eos_token_id!r}. "
+            "Fix: e.g. eos_token_id=hf_model.generation_config.eos_token_id"
+        ) from None
+    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 class RMSNorm(nn.Module):
@@ -398,7 +421,7 @@ class LlamaModel(nn.Module):
         *,
         cache: str | Cache | None = None,
         key_mask: torch.Tensor | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         compile: bool = False,
     ) -> torch.Tensor:
         """Greedy decoding with a KV cache: (B, P) prompt -> (B, P + new) tokens.
@@ -413,7 +436,8 @@ class LlamaModel(nn.Module):
                 (``cache.reset()`` first for an unrelated prompt).
             key_mask: (B, P) bool, True = real token: left padding, so that every row's last
                 token is real (the next token is read there).
-            eos_token_id: rows stop at it (later tokens of a stopped row repeat it).
+            eos_token_id: rows stop at it, or at any of several (a list, as Hugging Face
+                configs hold); later tokens of a stopped row repeat the one it stopped at.
             compile: decode with a compiled step (:class:`attnlab.models.decode.DecodeStep`):
                 the prompt is prefilled eagerly, then every new token replays one graph
                 captured once by ``torch.compile`` (on CUDA ``mode="reduce-overhead"``: CUDA
@@ -499,13 +523,14 @@ class LlamaModel(nn.Module):
             next_pos = counts[:, None].clone()
         tokens = [input_ids]
         done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        eos = _eos_ids(eos_token_id, input_ids.device)
         for i in range(max_new_tokens):
             nxt = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
-            if eos_token_id is not None:
-                nxt = nxt.masked_fill(done[:, None], eos_token_id)
-                done |= nxt[:, 0] == eos_token_id
+            if eos is not None:
+                nxt = torch.where(done[:, None], tokens[-1][:, -1:], nxt)  # (a stopped row's)
+                done |= torch.isin(nxt[:, 0], eos)
             tokens.append(nxt)
-            if i == max_new_tokens - 1 or (eos_token_id is not None and done.all()):
+            if i == max_new_tokens - 1 or (eos is not None and done.all()):
                 break  # (the last token needs no forward)
             if step is None:
                 logits = self(nxt, cache=cache, position_ids=next_pos)
@@ -539,6 +564,12 @@ class LlamaModel(nn.Module):
         """Copy the weights of a ``transformers`` ``LlamaForCausalLM`` (or Mistral) into an
         attnlab model; a config it would compute differently is refused
         (:meth:`LlamaConfig.from_hf`)."""
+        if not (hasattr(hf_model, "model") and hasattr(hf_model, "lm_head")):
+            raise ValueError(
+                f"from_hf takes a model with its language-model head (LlamaForCausalLM, "
+                f"MistralForCausalLM); got {type(hf_model).__name__}, which has none. Fix: "
+                "load it with transformers.AutoModelForCausalLM"
+            )
         cfg = LlamaConfig.from_hf(hf_model.config)
         model = cls(cfg).to(dtype=next(hf_model.parameters()).dtype)
         src = hf_model.model
