@@ -492,7 +492,13 @@ def main(args: argparse.Namespace) -> int:
             )
             return 130
         results = final_report(
-            run_dir, task, state, beam_size=args.beam_size, eval_limit=args.eval_limit, quiet=True
+            run_dir,
+            task,
+            state,
+            beam_size=args.beam_size,
+            eval_limit=args.eval_limit,
+            quiet=True,
+            device=device,
         )
         row = _row(variant, results)
         rows.append(row)

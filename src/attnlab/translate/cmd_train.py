@@ -582,6 +582,7 @@ def main(args: argparse.Namespace) -> int:
             deadline=deadline,
             quiet=False,
             progress=not args.no_progress,
+            device=device,
         )
     except KeyboardInterrupt:
         log(

@@ -105,15 +105,18 @@ def final_report(
     quiet=False,
     progress=None,
     plot=True,
+    device: str = "cpu",
 ) -> dict:
     """Evaluate the trained run on the test split, write results.json and the heatmap, print.
 
-    ``quiet``: print nothing; ``progress``: progress bars (default: unless quiet).
+    ``quiet``: print nothing; ``progress``: progress bars (default: unless quiet); ``device``:
+    where to decode, the training's (a GPU-trained run decoded on CPU: its evaluation slower,
+    and under a deadline :func:`fitting_beam` could fall back to greedy for it).
     """
     from attnlab.translate.pipeline import log, write_results
     from attnlab.translate.run import load_run
 
-    translator = load_run(run_dir)
+    translator = load_run(run_dir, device=device)
     kill_point("report")  # trained and saved; evaluated and written, not yet
     beam = beam_size or translator.decode_options.get("beam_size", 4)
     if deadline is not None and beam > 1:
