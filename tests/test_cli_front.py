@@ -108,7 +108,7 @@ def test_errors_name_the_command_as_typed_in_one_line(tmp_path, capsys):
         lines = err.splitlines()
         assert len(lines) == 1, err  # the error alone: no deprecation note after a failure
         assert lines[0].startswith(f"attnlab {name}: error: no such run folder")
-        assert f'quote it: attnlab {name} "' in lines[0]
+        assert f"name the model: attnlab {name} /mistyped/run/path --model minilm" in lines[0]
 
 
 def test_the_old_name_is_suggested_for_near_misses(capsys):

@@ -393,7 +393,7 @@ def test_explain_refuses_a_mistyped_run_path(tmp_path, capsys):
     code, _, err = attnlab(capsys, "explain", "/mistyped/run/path", "--out", tmp_path / "x")
     assert code == 2
     line = one_line_error(err)
-    assert "no such run folder: '/mistyped/run/path'" in line and "quote it" in line
+    assert "no such run folder: '/mistyped/run/path'" in line and "--model minilm" in line
     not_a_run = tmp_path / "folder"
     not_a_run.mkdir()
     code, _, err = attnlab(capsys, "explain", not_a_run, "--out", tmp_path / "x")
