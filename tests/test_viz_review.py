@@ -14,6 +14,8 @@ import base64
 import json
 import os
 import shlex
+import subprocess
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: no Hub, ever
 
@@ -363,8 +365,16 @@ def test_a_failed_run_leaves_the_output_folder_as_it_was(tmp_path, capsys, monke
         with pytest.raises(RuntimeError, match="the disk is full"):
             cli.main([*argv[:2], TEXT, "--out", str(fresh), "--quiet"])
         assert [p.name for p in shows.iterdir()] == ["out"]
+    # a kill -9 leaves a staging folder: the next run removes it (its process is gone), not a
+    # running show's
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    (shows / f".out.{dead}.abc.tmp").mkdir()
+    (shows / f".out.{os.getppid()}.def.tmp").mkdir()  # (pytest's parent: running)
     # a run that succeeds replaces the previous run's files; the user's stay
     assert cli.main([*argv[:2], "i made a deposit at the bank", *argv[2:]]) == 0
+    assert sorted(p.name for p in shows.iterdir()) == [f".out.{os.getppid()}.def.tmp", "out"]
+    (shows / f".out.{os.getppid()}.def.tmp").rmdir()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["text"] == "i made a deposit at the bank"
     assert {p.name for p in out.iterdir()} == set(before)

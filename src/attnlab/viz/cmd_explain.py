@@ -57,6 +57,7 @@ the command as it was typed (:data:`PROG`).
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib.util
 import json
 import os
@@ -573,20 +574,42 @@ def _staged(out: Path) -> Iterator[Path]:
     ends without an error, they replace the previous run's files in ``out``.
 
     A run that fails (a model error, a full disk, Ctrl-C) leaves ``out`` as it was: the
-    previous run's pictures and summary untouched, nothing half-written, no temporary folder
-    (a ``kill -9`` can leave a hidden ``.NAME.*.tmp`` beside it). ``out`` itself is renamed
+    previous run's pictures and summary untouched, nothing half-written, no temporary folder.
+    A ``kill -9`` leaves its hidden ``.NAME.PID.*.tmp`` beside ``out``: the next run removes
+    those of processes no longer running (:func:`_remove_orphans`). ``out`` itself is renamed
     into place when it is new; otherwise the previous run's files (those its summary.json
     lists) are removed and the new ones renamed in, summary.json last, so that a summary
     always lists files of its own run. Files of the user's in ``out`` stay.
     """
     out = out.absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
-    stage = make_temp_dir(out.parent, prefix=f".{out.name}.")
+    _remove_orphans(out)
+    stage = make_temp_dir(out.parent, prefix=f".{out.name}.{os.getpid()}.")
     try:
         yield stage
         _publish(stage, out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def _remove_orphans(out: Path) -> None:
+    """Remove the staging folders of ``out`` (``.NAME.PID.*.tmp``) whose process is gone (a
+    ``kill -9``, a power cut); a running one's, another show writing to ``out``, stay."""
+    prefix = f".{out.name}."
+    for path in out.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+        pid = path.name[len(prefix) :].split(".", 1)[0]
+        if path.is_dir() and pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # (signal 0: only asks whether the process exists)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (exists, another user's)
+        return True
+    return True
 
 
 def _publish(stage: Path, out: Path) -> None:
